@@ -1,0 +1,48 @@
+"""Typed, frozen configuration. Field names follow vLLM where one exists (max_num_seqs, max_model_len, ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled demo target
+    draft_model: str | None = None  # None with model=None: the bundled demo draft
+    speculative_method: str | None = None  # "draft" | "none"; None: "draft" when a draft model is given
+    num_speculative_tokens: int = 4
+    dtype: str = "auto"  # auto = bf16 where the device supports it
+    device: str = "auto"  # auto = cuda when present
+    kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_queue_len: int = 256
+    block_size: int = 16
+    seed: int | None = None  # seeds the engine's generator (requests without their own seed)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_speculative_tokens >= 0, "num_speculative_tokens", "must be >= 0"),
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+            (self.max_queue_len >= 0, "max_queue_len", "must be >= 0"),
+            (self.block_size >= 1, "block_size", "must be >= 1"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2"),
+            (self.speculative_method in (None, "draft", "none"), "speculative_method", "must be 'draft' or 'none'"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ValueError(f"{name}: {msg}")
+        if self.speculative_method == "draft" and self.model is not None and self.draft_model is None:
+            raise ValueError("draft_model: speculative_method 'draft' needs a draft model")
+
+    @property
+    def method(self) -> str:
+        if self.speculative_method is not None:
+            return self.speculative_method if self.num_speculative_tokens > 0 else "none"
+        has_draft = self.draft_model is not None or self.model is None
+        return "draft" if has_draft and self.num_speculative_tokens > 0 else "none"

@@ -1,0 +1,159 @@
+"""AsyncEngine: runs EngineCore's step loop on a dedicated thread (torch releases the GIL) and streams each
+request's outputs to its asyncio consumer. Requests join and leave between steps (continuous batching)."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from copy import deepcopy
+
+from config.schema import EngineConfig
+from engine.client import EngineHealth, EngineSnapshot
+from engine.core import EngineCore
+from engine.errors import EngineDeadError, QueueFullError
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineTotals, StepStats
+
+StepCallback = Callable[[StepStats, list[RequestOutput]], None]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, on_step: StepCallback | None = None):
+        self.config = config
+        self.on_step = on_step  # called on the engine thread after every step (metrics)
+        self.core: EngineCore | None = None
+        self._state, self._error = "loading", None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._submitted = 0  # adds put in the inbox; minus _drained = adds the engine thread has not seen yet
+        self._drained = 0
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the models off the event loop (the server is already listening), then start the step thread."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            self.core = await asyncio.to_thread(EngineCore, self.config)
+        except Exception as exc:  # a bad model path must not kill the server: /health reports it
+            self._state, self._error = "dead", f"model loading failed: {exc}"
+            raise
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+        self._state = "ready"
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        if self._state == "ready":
+            self._state = "stopped"
+        self._fail_all(EngineDeadError("the engine has stopped"))
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(self._state, self._error)
+
+    def stats(self) -> EngineSnapshot:
+        core = self.core
+        if core is None:
+            return EngineSnapshot(EngineTotals(), StepStats(), 0, 0, 0.0)
+        return EngineSnapshot(deepcopy(core.totals), core.last_step, len(core.scheduler.running),
+                              len(core.scheduler.waiting) + self._submitted - self._drained, core.allocator.usage)
+
+    # -- requests -----------------------------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self._state != "ready" or self.core is None:
+            raise EngineDeadError(self._error or f"the engine is {self._state}")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        request = self.core.make_request(request_id, prompt, params)  # validation errors surface here
+        waiting = len(self.core.scheduler.waiting) + self._submitted - self._drained
+        if waiting >= self.config.max_queue_len:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests)")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._submitted += 1
+        self._inbox.put(("add", request))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # consumer went away (client disconnect) or an error: free the KV at once
+                self._inbox.put(("abort", request_id))
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    # -- engine thread ------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stop.is_set():
+            aborted = self._drain_inbox()
+            if aborted:
+                self._publish(aborted)
+            if not core.has_unfinished():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = core.step()
+                if self.on_step is not None:
+                    self.on_step(core.last_step, outputs)
+            except Exception as exc:  # fatal: report on /health, fail every request, stop stepping
+                self._state, self._error = "dead", f"engine step failed: {exc!r}"
+                self._loop.call_soon_threadsafe(self._fail_all, EngineDeadError(self._error))
+                return
+            self._publish(outputs)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        aborted = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return aborted
+            if kind == "add":
+                self._drained += 1
+                self.core.add_request(item, enforce_queue_limit=False)
+            else:
+                out = self.core.abort(item)
+                if out is not None:
+                    aborted.append(out)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)

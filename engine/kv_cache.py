@@ -1,0 +1,73 @@
+"""Engine-owned paged KV cache: a block allocator shared by target and draft, and one preallocated pool per model.
+
+A sequence's blocks are listed in its block table; rolling back rejected tokens only lowers its computed length
+(the stale entries are overwritten later), so rollback is O(1) and never copies tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of an HF decoder config (Llama- and GPT-2-style names)."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    layers, kv_heads, head_dim = kv_geometry(config)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class BlockAllocator:
+    """Hands out fixed-size KV blocks; both models' pools are indexed by the same block ids."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV cache exhausted: asked {n} blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / max(self.num_blocks, 1)
+
+
+@dataclass
+class KVPool:
+    """Per-layer key and value tensors, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    key: list[torch.Tensor]
+    value: list[torch.Tensor]
+    block_size: int
+
+    @staticmethod
+    def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
+        layers, kv_heads, head_dim = kv_geometry(config)
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        return KVPool([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+                      [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)], block_size)

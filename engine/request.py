@@ -1,0 +1,122 @@
+"""Request state inside the engine and the RequestOutput it reports after each step."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpeculationStats:
+    """Per request: accepted = draft tokens emitted before the first rejection (flashinfer's emitted count).
+
+    acceptance rate = num_accepted_tokens / num_draft_tokens; mean accepted length = 1 + accepted / num_steps.
+    """
+
+    method: str = "none"
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_steps: int = 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    speculation: SpeculationStats
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # cumulative; None unless requested
+    delta_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output: what the scheduler counts against
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+        self.generator = (torch.Generator(device=device).manual_seed(params.seed)
+                          if params.seed is not None else None)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop,
+                                                  params.skip_special_tokens)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # target positions whose K/V are in the cache
+        self.num_draft_computed_tokens = 0  # same for the draft model
+        self.block_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.speculation = SpeculationStats(method=method)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self._logprobs_sent = 0
+        self._tokens_sent = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.detokenizer.flush()
+
+    def make_output(self, error: str | None = None) -> RequestOutput:
+        """Snapshot with the deltas since the previous snapshot."""
+        out_ids = self.output_token_ids
+        delta_ids = out_ids[self._tokens_sent:]
+        self._tokens_sent = len(out_ids)
+        delta_lp = None
+        if self.logprobs is not None:
+            delta_lp = self.logprobs[self._logprobs_sent:]
+            self._logprobs_sent = len(self.logprobs)
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=out_ids, text=self.detokenizer.text, finished=self.finished,
+            finish_reason=self.finish_reason, speculation=replace(self.speculation),
+            delta_text=self.detokenizer.take_delta(self.finished), delta_token_ids=delta_ids,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None, delta_logprobs=delta_lp,
+            error=error, arrival_time=self.arrival_time, first_token_time=self.first_token_time)

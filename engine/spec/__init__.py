@@ -1,0 +1,1 @@
+"""Proposers: the ways specserve guesses draft tokens for the target to verify."""

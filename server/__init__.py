@@ -1,0 +1,1 @@
+"""specserve's HTTP front end and command line (imports engine, never the reverse)."""

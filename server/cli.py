@@ -1,0 +1,76 @@
+"""`specserve` command line: generate (offline, one prompt) and train (imported lazily, so serving never loads it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target model: local HF directory or hub id (default: bundled demo target)")
+    p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (default: bundled demo draft)")
+    p.add_argument("--speculative-method", choices=["draft", "none"], help="default: draft when a draft exists")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens verified per step")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 where supported) | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda[:N]")
+    p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")
+    p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
+    p.add_argument("--seed", type=int)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, draft_model=args.draft_model, speculative_method=args.speculative_method,
+              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
+    out = llm.generate([args.prompt], params)[0]
+    print(args.prompt + out.text)
+    s = out.speculation
+    rate = f"{s.num_accepted_tokens / s.num_draft_tokens:.2f}" if s.num_draft_tokens else "n/a"
+    print(f"[{len(out.output_token_ids)} tokens, finish_reason={out.finish_reason}, method={s.method}, "
+          f"drafted={s.num_draft_tokens}, accepted={s.num_accepted_tokens}, acceptance_rate={rate}, "
+          f"steps={s.num_steps}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt (offline)")
+    _add_engine_flags(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.set_defaults(func=_generate)
+    train = sub.add_parser("train", help="train a demo target or distil a draft (see `specserve train -h`)",
+                           add_help=False)
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    train.set_defaults(func=_train)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from engine.train import cli as train_cli  # lazy: serving never imports training code
+
+    parser = argparse.ArgumentParser(prog="specserve")
+    train_cli.add_train_parser(parser.add_subparsers(dest="command", required=True))
+    return train_cli.run_train(parser.parse_args(["train", *args.rest])) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

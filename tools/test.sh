@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs specserve with its test extras into .venv (CPU torch from this machine's disk) and runs the suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+.venv/bin/pip install -q --upgrade pip >/dev/null
+.venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+.venv/bin/python -m pytest -q --durations=15 "$@"
