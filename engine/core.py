@@ -17,7 +17,7 @@ from config.schema import EngineConfig
 from engine.attention import SeqChunk
 from engine.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from engine.kv_cache import BlockAllocator, KVPool, kv_bytes_per_token
-from engine.loader import (bundled_model_paths, check_draft_compatible, default_kv_cache_memory, load_model,
+from engine.loader import (bundled_model_paths, check_draft_compatible, check_model_path, default_kv_cache_memory, load_model,
                            load_tokenizer, resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, TokenLogprob
@@ -34,6 +34,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         target_path, draft_path = self._model_paths(config)
+        check_model_path(target_path, "model")
+        if draft_path is not None and config.method == "draft":
+            check_model_path(draft_path, "draft_model")
         self.model_path = str(target_path)
         self.tokenizer = load_tokenizer(target_path)
         target = load_model(target_path, self.dtype, self.device)

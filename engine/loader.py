@@ -34,6 +34,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def check_model_path(path: str | os.PathLike, field: str = "model") -> None:
+    """A path-like name must exist locally; anything else is left to transformers as a hub id."""
+    text = str(path)
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1  # hub ids are "name" or "org/name"
+    if looks_local and not Path(text).expanduser().exists():
+        raise FileNotFoundError(f"{field}: no model directory at {text}")
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device):
     register_attention()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

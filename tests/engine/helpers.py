@@ -13,7 +13,7 @@ def make_core(model, draft=None, k=4, **kw) -> EngineCore:
     kw.setdefault("seed", 0)
     return EngineCore(EngineConfig(model=str(model), draft_model=str(draft) if draft else None,
                                    num_speculative_tokens=k if draft else 0, dtype=kw.pop("dtype", "float32"),
-                                   device="cpu", **kw))
+                                   device=kw.pop("device", "cpu"), **kw))
 
 
 def run(core: EngineCore, prompts, params: SamplingParams | list[SamplingParams], join_after: int | None = None,

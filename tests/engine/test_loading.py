@@ -1,0 +1,59 @@
+"""Model loading: draft/target vocabulary check, dtype/device resolution, the CLI's generate command."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.loader import resolve_device, resolve_dtype
+from tests.tiny_models import build_word_tokenizer, save_llama
+
+
+def test_draft_with_other_vocabulary_is_refused(tiny, tmp_path):
+    build_word_tokenizer(tmp_path / "tok", 40)
+    other = save_llama(tmp_path / "other", tmp_path / "tok", 40, layers=1)
+    with pytest.raises(InvalidRequestError, match="vocabulary") as err:
+        LLM(model=str(tiny["llama"]), draft_model=str(other), dtype="float32", device="cpu",
+            kv_cache_memory=1 << 22)
+    assert err.value.param == "draft_model"
+
+
+def test_auto_resolution():
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    with pytest.raises(InvalidRequestError):
+        resolve_dtype("int3", torch.device("cpu"))
+
+
+def test_llm_accepts_strings_token_ids_and_param_lists(tiny):
+    llm = LLM(model=str(tiny["llama"]), draft_model=str(tiny["llama_draft"]), num_speculative_tokens=2,
+              dtype="float32", device="cpu", kv_cache_memory=1 << 22, seed=0)
+    outs = llm.generate(["café", [5, 6, 7]], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                             SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)])
+    assert [len(o.output_token_ids) for o in outs] == [3, 5]
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    assert outs[1].speculation.method == "draft"
+    assert set(vars(outs[1].speculation)) == {"method", "num_draft_tokens", "num_accepted_tokens", "num_steps"}
+    single = llm.generate("café", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(single) == 1
+
+
+def test_cli_generate_with_draft(tiny):
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", str(tiny["llama"]),
+                           "--draft-model", str(tiny["llama_draft"]), "--dtype", "float32", "--max-tokens", "8",
+                           "--kv-cache-memory", str(1 << 22), "The quick"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The quick")
+    assert "method=draft" in proc.stderr and "acceptance_rate=" in proc.stderr
+
+
+def test_cli_reports_bad_model_path(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", str(tmp_path / "nope"), "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "nope" in proc.stderr
