@@ -4,6 +4,7 @@ request's outputs to its asyncio consumer. Requests join and leave between steps
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import threading
 import uuid
@@ -35,6 +36,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.tokenizer = None  # a copy for the event loop's thread: HF fast tokenizers are not safe to share
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -43,6 +45,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         try:
             self.core = await asyncio.to_thread(EngineCore, self.config)
+            self.tokenizer = copy.deepcopy(self.core.tokenizer)
         except Exception as exc:  # a bad model path must not kill the server: /health reports it
             self._state, self._error = "dead", f"model loading failed: {exc}"
             raise
@@ -78,7 +81,8 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already running")
-        request = self.core.make_request(request_id, prompt, params)  # validation errors surface here
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        request = self.core.make_request(request_id, prompt, params, ids)  # validation errors surface here
         waiting = len(self.core.scheduler.waiting) + self._submitted - self._drained
         if waiting >= self.config.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests)")

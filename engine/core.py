@@ -96,11 +96,13 @@ class EngineCore:
             raise InvalidRequestError(f"prompt: token ids must be integers in [0, {self.vocab_size})", "prompt")
         return list(prompt)
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and build a request (raises InvalidRequestError / RequestTooLongError); does not enqueue."""
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     prompt_token_ids: list[int] | None = None) -> Request:
+        """Validate and build a request (raises InvalidRequestError / RequestTooLongError); does not enqueue.
+        `prompt_token_ids` skips tokenising `prompt` (callers on other threads use their own tokenizer)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", "request_id")
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
         if not ids:
             raise InvalidRequestError("prompt: must contain at least one token", "prompt")
         n = len(ids)
