@@ -46,3 +46,27 @@ class EngineConfig:
             return self.speculative_method if self.num_speculative_tokens > 0 else "none"
         has_draft = self.draft_model is not None or self.model is None
         return "draft" if has_draft and self.num_speculative_tokens > 0 else "none"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # the Docker image sets 0.0.0.0
+    port: int = 8000
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
+    served_model_name: str | None = None  # default: the model path's last component ("specserve-demo" for the pair)
+    shutdown_timeout: float = 30.0  # seconds in-flight requests may finish after SIGTERM
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port: must be in [0, 65535]")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout: must be >= 0")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError("log_level: must be one of critical, error, warning, info, debug, trace")
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    engine: EngineConfig
+    server: ServerConfig

@@ -14,7 +14,7 @@ from copy import deepcopy
 from config.schema import EngineConfig
 from engine.client import EngineHealth, EngineSnapshot
 from engine.core import EngineCore
-from engine.errors import EngineDeadError, QueueFullError
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineTotals, StepStats
@@ -74,38 +74,45 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               request_id: str | None = None) -> "RequestStream":
+        """Validate and enqueue now (raises InvalidRequestError / QueueFullError / EngineDeadError at once);
+        the returned stream yields the request's outputs. Closing it early aborts the request."""
         if self._state != "ready" or self.core is None:
             raise EngineDeadError(self._error or f"the engine is {self._state}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-        request = self.core.make_request(request_id, prompt, params, ids)  # validation errors surface here
+        request = self.core.make_request(request_id, prompt, params, ids)
         waiting = len(self.core.scheduler.waiting) + self._submitted - self._drained
         if waiting >= self.config.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests)")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = RequestStream(self, request)
+        self._streams[request_id] = stream.queue
         self._submitted += 1
         self._inbox.put(("add", request))
         self._wakeup.set()
-        finished = False
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = self.submit(prompt, params, request_id)
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in stream:
+                yield out
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # consumer went away (client disconnect) or an error: free the KV at once
-                self._inbox.put(("abort", request_id))
-                self._wakeup.set()
+            await stream.aclose()
+
+    def _close_stream(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished:  # consumer went away (client disconnect) or an error: free the KV at once
+            self._inbox.put(("abort", request_id))
+            self._wakeup.set()
+
+    def fail_all(self, message: str) -> None:
+        """End every in-flight request with an error (graceful-shutdown deadline); their KV is freed."""
+        self._fail_all(EngineDeadError(message))
 
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -161,3 +168,33 @@ class AsyncEngine:
     def _fail_all(self, exc: Exception) -> None:
         for stream in self._streams.values():
             stream.put_nowait(exc)
+
+
+class RequestStream:
+    """Async iterator over one request's outputs; `aclose()` before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request):
+        self.engine = engine
+        self.request_id = request.request_id
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            await self.aclose()
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine._close_stream(self.request_id, self.finished)

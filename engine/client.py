@@ -31,6 +31,13 @@ class EngineSnapshot:
 
 
 class EngineClient(Protocol):
+    tokenizer: object  # for the caller's thread (chat templates, token strings)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None):
+        """Validate and enqueue at once (errors raise here); returns an async iterator of outputs whose
+        aclose() aborts the request."""
+        ...
+
     def generate(self, prompt: str | list[int], params: SamplingParams,
                  request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Incremental outputs (text deltas); raises InvalidRequestError / QueueFullError / EngineDeadError."""

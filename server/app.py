@@ -1,0 +1,81 @@
+"""FastAPI application factory: the engine lives on app.state; models load after the server starts listening."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from fastapi import FastAPI
+from sse_starlette.sse import AppStatus
+
+from config.schema import AppConfig
+from engine.async_engine import AsyncEngine
+from server.errors import install_error_handlers
+from server.metrics import Metrics
+from server.routes import router
+from server.serving import ServingContext
+
+log = logging.getLogger("specserve")
+
+
+def package_version() -> str:
+    try:
+        return version("specserve")
+    except PackageNotFoundError:
+        return "0.0.0+source"
+
+
+def served_model_name(config: AppConfig) -> str:
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    return Path(config.engine.model).name if config.engine.model else "specserve-demo"
+
+
+async def _load(engine: AsyncEngine) -> None:
+    try:
+        await engine.start()
+        log.info("engine ready")
+    except Exception as exc:  # reported by /health (503) rather than crashing the server
+        log.error("engine failed to start: %s", exc)
+
+
+def create_app(config: AppConfig) -> FastAPI:
+    name = served_model_name(config)
+    metrics = Metrics(name, config.engine.method)
+    engine = AsyncEngine(config.engine, on_step=metrics.on_step)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # we drain streams ourselves on SIGTERM (up to --shutdown-timeout) instead of sse-starlette ending them
+        AppStatus.disable_automatic_graceful_drain()
+        app.state.loop = asyncio.get_running_loop()
+        loading = asyncio.create_task(_load(engine))
+        yield
+        loading.cancel()
+        await engine.shutdown()
+
+    app = FastAPI(title="specserve", version=package_version(), lifespan=lifespan,
+                  description="OpenAI-compatible inference with lossless speculative decoding")
+    app.state.config = config
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.ctx = ServingContext(engine=engine, model_name=name)
+    app.state.draining = False
+    install_error_handlers(app)
+    app.include_router(router)
+    return app
+
+
+def begin_drain(app: FastAPI) -> None:
+    """SIGTERM: stop admitting; in-flight requests may finish for shutdown_timeout seconds, then end with an error."""
+    if app.state.draining:
+        return
+    app.state.draining = True
+    loop = getattr(app.state, "loop", None)
+    if loop is not None:
+        timeout = app.state.config.server.shutdown_timeout
+        loop.call_soon_threadsafe(loop.call_later, timeout, app.state.engine.fail_all,
+                                  "the server is shutting down")

@@ -1,0 +1,84 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status for each failure."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError, RequestTooLongError
+from server.protocol import UnsupportedFieldError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error(exc: Exception) -> APIError:
+    """Map an engine exception to the HTTP error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestTooLongError):
+        return APIError(400, exc.message, param=exc.param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="service_unavailable", code="engine_unavailable")
+    return APIError(500, f"internal error: {exc!r}", type="server_error")
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    err = exc.errors()[0]
+    original = (err.get("ctx") or {}).get("error")
+    if isinstance(original, UnsupportedFieldError):
+        return APIError(400, str(original), param=original.param, code="unsupported_parameter")
+    # drop "body" and the union-branch names pydantic inserts (e.g. "str", "list[int]") from the location
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_type_name(str(x))]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('msg')}", code="invalid_json")
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}", param=param,
+                        code="unknown_parameter")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+def _is_type_name(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(EngineError)
+    async def _on_engine_error(_: Request, exc: EngineError):
+        return api_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception):  # a bug: still answer in OpenAI's shape
+        return api_error(exc).response()

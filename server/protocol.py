@@ -1,0 +1,221 @@
+"""The OpenAI API schemas specserve speaks (chat completions, completions, models, errors), with OpenAI's limits,
+and the one conversion of a request body into engine SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UnsupportedFieldError(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+# -- requests --------------------------------------------------------------------------------------------------------
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # the SDK may send it; SSE here is not obfuscated either way
+
+
+class _SamplingFields(_Strict):
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    max_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = Field(None, ge=0)
+    # accepted only with the one value that means "nothing to do"; anything else is a 400 naming the field
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.logit_bias:
+            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+        """The single conversion to engine params. Choice i of n uses seed + i (documented)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            seed=None if self.seed is None else (self.seed + choice) % (2 ** 63),
+            max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            num_speculative_tokens=self.num_speculative_tokens)
+
+
+_CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                     "prediction", "reasoning_effort", "web_search_options", "metadata", "service_tier",
+                     "prompt_cache_key", "safety_identifier", "verbosity")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    store: bool | None = None
+    # declared so that a request using them gets a 400 that names the field (not an "extra field" message)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    verbosity: Any = None
+
+    @model_validator(mode="after")
+    def _chat_unsupported(self):
+        for name in _CHAT_UNSUPPORTED:
+            if getattr(self, name) is not None:
+                raise UnsupportedFieldError(name, f"{name} is not supported by this server")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise UnsupportedFieldError("response_format", "only response_format {\"type\": \"text\"} is supported")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise UnsupportedFieldError("modalities", "only the text modality is supported")
+        if self.store:
+            raise UnsupportedFieldError("store", "stored completions are not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedFieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    @model_validator(mode="after")
+    def _completion_unsupported(self):
+        if self.suffix:
+            raise UnsupportedFieldError("suffix", "suffix (insertion) is not supported")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedFieldError("echo", "echo together with logprobs (prompt log-probs) is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+# -- responses (shapes follow OpenAI's OpenAPI document; `speculation` is our extension) -------------------------
+
+class Speculation(BaseModel):
+    method: str
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_steps: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

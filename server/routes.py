@@ -1,0 +1,110 @@
+"""HTTP routes, kept thin: parse (protocol), hand to serving/streaming, map errors (errors)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.auth import require_api_key
+from server.errors import APIError
+from server.metrics import CONTENT_TYPE
+from server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from server.serving import (check_model, chat_response, collect, completion_response, new_id, now,
+                            render_chat_prompt, submit_all)
+from server.streaming import chat_stream, completion_stream
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=_ERRORS)
+
+
+def _ready(request: Request):
+    app = request.app
+    if app.state.draining:
+        raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+    health = app.state.engine.health()
+    if not health.ready:
+        raise APIError(503, health.error or f"the engine is {health.state}", type="service_unavailable",
+                       code="engine_unavailable")
+    return app.state.ctx
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Non-streamed requests: a client that hangs up aborts its engine requests."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
+
+
+@v1.get("/models", response_model=ModelList)
+async def list_models(request: Request):
+    return {"object": "list", "data": [{"id": request.app.state.ctx.model_name, "object": "model",
+                                         "created": now(), "owned_by": "specserve"}]}
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    ctx = _ready(request)
+    check_model(ctx, body.model)
+    ids = ctx.tokenizer(render_chat_prompt(ctx.tokenizer, body), add_special_tokens=False)["input_ids"]
+    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i)) for i in range(body.n)]
+    rid = new_id("chatcmpl")
+    streams = submit_all(ctx, jobs, rid, param="messages")
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return chat_stream(ctx, rid, streams, len(ids), include_usage)
+    outs = await _unless_disconnected(request, collect(streams))
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(chat_response(ctx, rid, len(ids), outs))
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    ctx = _ready(request)
+    check_model(ctx, body.model)
+    prompts = body.prompts()
+    texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) for p in prompts]
+    ids = [ctx.tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
+    jobs = [(p, body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i))
+            for p in ids for i in range(body.n)]
+    rid = new_id("cmpl")
+    streams = submit_all(ctx, jobs, rid, param="prompt")
+    num_prompt_tokens = sum(len(p) for p in ids)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return completion_stream(ctx, rid, streams, texts, body.n, body.echo, num_prompt_tokens, include_usage)
+    outs = await _unless_disconnected(request, collect(streams))
+    if outs is None:
+        return Response(status_code=499)
+    return JSONResponse(completion_response(ctx, rid, body, texts, num_prompt_tokens, outs))
+
+
+@router.get("/health")
+async def health(request: Request):
+    h = request.app.state.engine.health()
+    if h.ready and not request.app.state.draining:
+        return {"status": "ok"}
+    state = "draining" if request.app.state.draining else h.state
+    return JSONResponse({"status": state, "error": h.error}, status_code=503)
+
+
+@router.get("/version")
+async def version_info(request: Request):
+    return {"version": request.app.version}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+router.include_router(v1)

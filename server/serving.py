@@ -1,0 +1,168 @@
+"""Chat and text completions: request body -> engine requests (n choices) -> OpenAI response or SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.request import RequestOutput, TokenLogprob
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class ServingContext:
+    engine: object  # AsyncEngine (EngineClient with submit)
+    model_name: str
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
+def check_model(ctx: ServingContext, model: str) -> None:
+    if model != ctx.model_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def render_chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # fallback for models without a template: plain role-prefixed turns
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def submit_all(ctx: ServingContext, jobs: list[tuple[str | list[int], object]], request_id: str, param: str):
+    """Submit every choice or none: on the first refusal, abort what was already queued."""
+    streams = []
+    try:
+        for i, (prompt, params) in enumerate(jobs):
+            streams.append(ctx.engine.submit(prompt, params, request_id=f"{request_id}-{i}"))
+    except Exception as exc:
+        for s in streams:
+            asyncio.ensure_future(s.aclose())
+        if getattr(exc, "code", None) == "context_length_exceeded" and getattr(exc, "param", None) != "max_tokens":
+            exc.param = param
+        raise
+    return streams
+
+
+async def merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the choices' outputs as they arrive; closing the merge aborts unfinished choices."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as exc:  # surfaced to the consumer below
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            i, item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def collect(streams) -> list[RequestOutput]:
+    final: dict[int, RequestOutput] = {}
+    async for i, out in merge(streams):
+        if out.finished:
+            final[i] = out
+    return [final[i] for i in range(len(streams))]
+
+
+def speculation_sum(outs: list[RequestOutput]) -> dict:
+    methods = {o.speculation.method for o in outs}
+    return {"method": methods.pop() if len(methods) == 1 else "mixed",
+            "num_draft_tokens": sum(o.speculation.num_draft_tokens for o in outs),
+            "num_accepted_tokens": sum(o.speculation.num_accepted_tokens for o in outs),
+            "num_steps": sum(o.speculation.num_steps for o in outs)}
+
+
+def usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
+    completion = sum(len(o.output_token_ids) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def chat_logprobs(tokenizer, lps: list[TokenLogprob] | None) -> dict | None:
+    if lps is None:
+        return None
+
+    def entry(tid, lp):
+        text = _token_text(tokenizer, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob] | None, offset: int) -> dict | None:
+    if lps is None:
+        return None
+    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# -- non-streamed responses -------------------------------------------------------------------------------------
+
+def chat_response(ctx: ServingContext, rid: str, num_prompt_tokens: int, outs: list[RequestOutput]) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name,
+            "system_fingerprint": None,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
+                         "logprobs": chat_logprobs(ctx.tokenizer, o.logprobs), "finish_reason": finish_reason(o)}
+                        for i, o in enumerate(outs)],
+            "usage": usage(num_prompt_tokens, outs), "speculation": speculation_sum(outs)}
+
+
+def completion_response(ctx: ServingContext, rid: str, req: CompletionRequest, prompts: list[str],
+                        num_prompt_tokens: int, outs: list[RequestOutput]) -> dict:
+    choices = []
+    for i, o in enumerate(outs):
+        prefix = prompts[i // req.n] if req.echo else ""
+        choices.append({"index": i, "text": prefix + o.text, "finish_reason": finish_reason(o),
+                        "logprobs": completion_logprobs(ctx.tokenizer, o.logprobs, len(prefix))})
+    return {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name,
+            "system_fingerprint": None, "choices": choices, "usage": usage(num_prompt_tokens, outs),
+            "speculation": speculation_sum(outs)}

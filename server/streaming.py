@@ -1,0 +1,92 @@
+"""SSE framing for streamed completions: `data: {json}` per chunk, `data: [DONE]` last; an error after the stream
+started goes out as a `data: {"error": ...}` event. Client disconnect cancels the generator, which aborts the
+engine requests (KV freed within a step)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from sse_starlette import EventSourceResponse
+
+from engine.request import RequestOutput
+from server.errors import api_error
+from server.serving import (ServingContext, chat_logprobs, completion_logprobs, finish_reason, merge, now,
+                            speculation_sum, usage)
+
+DONE = "[DONE]"
+
+
+def sse_response(events: AsyncIterator[str], headers: dict[str, str] | None = None) -> EventSourceResponse:
+    return EventSourceResponse(events, sep="\n", ping=15, headers=headers)
+
+
+def _data(obj) -> dict:
+    return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
+
+
+async def _guarded(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    try:
+        async for chunk in chunks:
+            yield _data(chunk)
+    except Exception as exc:  # the HTTP status is already sent: report in-band, then end the stream
+        yield _data(api_error(exc).body())
+    yield {"data": DONE}
+
+
+def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, include_usage: bool):
+    async def chunks():
+        created = now()
+
+        def chunk(choices, **extra):
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+                    "system_fingerprint": None, "choices": choices, **extra}
+
+        for i in range(len(streams)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            if not (out.delta_text or out.finished or out.delta_logprobs):
+                continue
+            delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+            yield chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(ctx.tokenizer, out.delta_logprobs),
+                          "finish_reason": finish_reason(out) if out.finished else None}])
+            if out.finished:
+                finals[i] = out
+        if include_usage:
+            outs = [finals[i] for i in sorted(finals)]
+            yield chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
+
+    return sse_response(_guarded(chunks()))
+
+
+def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str], n: int, echo: bool,
+                      num_prompt_tokens: int, include_usage: bool):
+    async def chunks():
+        created = now()
+
+        def chunk(choices, **extra):
+            return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                    "system_fingerprint": None, "choices": choices, **extra}
+
+        sent_chars = [0] * len(streams)
+        if echo:
+            for i in range(len(streams)):
+                sent_chars[i] = len(prompts[i // n])
+                yield chunk([{"index": i, "text": prompts[i // n], "logprobs": None, "finish_reason": None}])
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(streams):
+            if not (out.delta_text or out.finished or out.delta_logprobs):
+                continue
+            lp = completion_logprobs(ctx.tokenizer, out.delta_logprobs, sent_chars[i])
+            sent_chars[i] += len(out.delta_text)
+            yield chunk([{"index": i, "text": out.delta_text, "logprobs": lp,
+                          "finish_reason": finish_reason(out) if out.finished else None}])
+            if out.finished:
+                finals[i] = out
+        if include_usage:
+            outs = [finals[i] for i in sorted(finals)]
+            yield chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
+
+    return sse_response(_guarded(chunks()))
