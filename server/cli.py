@@ -1,8 +1,10 @@
-"""`specserve` command line: generate (offline, one prompt) and train (imported lazily, so serving never loads it)."""
+"""`specserve` command line: serve (the OpenAI-compatible server), generate (offline, one prompt) and train
+(imported lazily, so serving never loads it)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
@@ -36,9 +38,41 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from config.loader import build_config
+    from server.app import begin_drain, create_app
+
+    config = build_config(args, os.environ)
+    logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: stop admitting, let in-flight requests finish
+            begin_drain(app)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                   log_level=config.server.log_level,
+                                   timeout_graceful_shutdown=config.server.shutdown_timeout + 5))
+    server.run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from config.loader import add_config_flags
+
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (default: the bundled demo pair)",
+                           description="Every flag can also be set as env SPECSERVE_<FLAG> or in the YAML file "
+                                       "given by --config; precedence: flags > env > file > defaults.")
+    add_config_flags(serve)
+    serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate a completion for one prompt (offline)")
     _add_engine_flags(gen)
     gen.add_argument("prompt")

@@ -1,0 +1,193 @@
+"""Builds the AppConfig once from CLI flags > env (SPECSERVE_*) > YAML file (--config) > dataclass defaults.
+Every field is one flag (dashed), one env var (SPECSERVE_<FIELD>) and one YAML key (snake or dashed)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from config.schema import AppConfig, EngineConfig, ServerConfig
+
+ENV_PREFIX = "SPECSERVE_"
+ENV_CONFIG = "SPECSERVE_CONFIG"
+ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR"})  # read elsewhere, not config fields
+SECTIONS = (EngineConfig, ServerConfig)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+CHOICES = {"speculative_method": ("draft", "none"), "log_level": LOG_LEVELS}
+
+# field -> (meaning, what a None default means; None where the default is a plain value)
+HELP: dict[str, tuple[str, str | None]] = {
+    "model": ("target model: local HF directory or hub id", "the bundled demo target"),
+    "draft_model": ("draft model sharing the target's tokenizer", "the bundled demo draft when --model is unset"),
+    "speculative_method": ("speculation method", "draft when a draft model exists, else none"),
+    "num_speculative_tokens": ("k, draft tokens proposed and verified per step (0 disables speculation)", None),
+    "dtype": ("weights/activations dtype: auto (bf16 where supported) | float32 | bfloat16 | float16", None),
+    "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
+    "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
+                        "min(4 GiB, RAM/4) on CPU"),
+    "max_num_seqs": ("most sequences running in one step", None),
+    "max_num_batched_tokens": ("most tokens (prefill + decode + proposed) computed in one step", None),
+    "max_model_len": ("longest prompt + output in tokens", "the model's max_position_embeddings"),
+    "max_queue_len": ("most requests waiting for a slot; beyond it requests get HTTP 429", None),
+    "block_size": ("tokens per KV cache block", None),
+    "seed": ("seed of the engine's generator (for requests without their own seed)", "a random seed"),
+    "host": ("address to bind", None),
+    "port": ("TCP port to listen on", None),
+    "api_key": ("when set, /v1/* requires 'Authorization: Bearer KEY'", "no authentication"),
+    "served_model_name": ("model name reported by /v1/models and accepted in requests",
+                          "the model path's last component (specserve-demo for the bundled pair)"),
+    "shutdown_timeout": ("seconds in-flight requests may finish after SIGTERM", None),
+    "log_level": ("log level", None),
+}
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+_POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '4G', '512MiB' -> binary units; '2GB', '500MB' -> decimal; '123' or '123B' -> bytes."""
+    m = _SIZE.fullmatch(text)
+    if m is None or (m.group(3) and not (m.group(2) and m.group(4))):  # 'i' only inside KiB/MiB/GiB/TiB
+        raise ValueError(f"invalid size {text!r} (use bytes or e.g. 512MiB, 4GiB, 2GB, 1.5G)")
+    number, unit, binary, byte = m.groups()
+    decimal = bool(unit and byte and not binary)  # GB/MB/KB are powers of 1000; G, GiB are powers of 1024
+    return int(float(number) * (1000 if decimal else 1024) ** _POWER[unit.lower()])
+
+
+def _fields() -> dict[str, tuple[type, Any, Any]]:
+    """field name -> (section class, resolved annotation, default), in declaration order."""
+    out: dict[str, tuple[type, Any, Any]] = {}
+    for cls in SECTIONS:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            out[f.name] = (cls, hints[f.name], f.default)
+    return out
+
+
+def _convert(name: str, annotation: Any, value: Any) -> Any:
+    """Convert an env string or a YAML scalar to the field's type; ValueError(message) without the source."""
+    args = typing.get_args(annotation)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
+    if isinstance(value, str):
+        text = value.strip()
+        if optional and text.lower() in ("", "none", "null") and text.lower() not in CHOICES.get(name, ()):
+            return None
+        if name in CHOICES:
+            return text.lower()
+        if name == "kv_cache_memory":
+            return parse_size(text)
+        if base is bool:
+            if text.lower() in _TRUE + _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError(f"invalid bool {value!r}")
+        if base in (int, float):
+            try:
+                return base(text)
+            except ValueError:
+                raise ValueError(f"invalid {base.__name__} {value!r}") from None
+        return text if base is str else value
+    if value is None:
+        if optional:
+            return None
+        raise ValueError("must not be null")
+    ok = {bool: (bool,), int: (int,), float: (int, float), str: (str, int, float)}.get(base, (object,))
+    if isinstance(value, bool) and base is not bool or not isinstance(value, ok):
+        raise ValueError(f"invalid {getattr(base, '__name__', base)} {value!r}")
+    return str(value) if base is str else base(value)
+
+
+def _cli_type(name: str, annotation: Any):
+    def convert(text: str) -> Any:
+        try:
+            return _convert(name, annotation, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = name
+    return convert
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field (default SUPPRESS, so absent flags leave the namespace untouched) + --config."""
+    parser.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
+                        help=f"YAML file with a flat mapping of these settings (env {ENV_CONFIG})")
+    for name, (_, annotation, default) in _fields().items():
+        meaning, none_means = HELP[name]
+        shown = none_means if default is None else default
+        help_text = f"{meaning} [default: {shown}] (env {ENV_PREFIX}{name.upper()})".replace("%", "%%")
+        flag = "--" + name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if name in CHOICES:
+            kw.update(choices=CHOICES[name], type=str.lower)
+        else:
+            kw["type"] = _cli_type(name, annotation)
+            base = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+            kw["metavar"] = "BYTES" if name == "kv_cache_memory" else {int: "N", float: "X"}.get(base, name.upper())
+        parser.add_argument(flag, **kw)
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml  # only when a file is given
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"config file {path}: not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> AppConfig:
+    """Merge CLI (attributes named like fields; others ignored) > env > YAML > defaults; the schema validates.
+    `env=None` reads os.environ."""
+    env = os.environ if env is None else env
+    fields = _fields()
+    cli = vars(args) if args is not None else {}
+    values: dict[str, Any] = {}
+
+    path = cli.get("config") or env.get(ENV_CONFIG)
+    if path:
+        seen: dict[str, str] = {}
+        for key, raw in _load_yaml(str(path)).items():
+            name = str(key).replace("-", "_")
+            if name not in fields:
+                raise ValueError(f"config file {path}: unknown key {key!r}; valid keys: {', '.join(fields)}")
+            if name in seen:
+                raise ValueError(f"config file {path}: {name} given twice ({seen[name]!r} and {key!r})")
+            seen[name] = str(key)
+            try:
+                values[name] = _convert(name, fields[name][1], raw)
+            except ValueError as exc:
+                raise ValueError(f"config file {path}: {name}: {exc}") from None
+
+    for var, raw in env.items():
+        if not var.startswith(ENV_PREFIX) or var in ENV_OTHER:
+            continue
+        name = var[len(ENV_PREFIX):].lower()
+        if name not in fields:
+            valid = ", ".join(ENV_PREFIX + f.upper() for f in fields)
+            raise ValueError(f"env {var}: unknown setting; valid: {valid} (and {', '.join(sorted(ENV_OTHER))})")
+        try:
+            values[name] = _convert(name, fields[name][1], raw)
+        except ValueError as exc:
+            raise ValueError(f"env {var}: {exc}") from None
+
+    values.update({k: v for k, v in cli.items() if k in fields})
+    sections = {cls: {k: v for k, v in values.items() if fields[k][0] is cls} for cls in SECTIONS}
+    return AppConfig(engine=EngineConfig(**sections[EngineConfig]), server=ServerConfig(**sections[ServerConfig]))
