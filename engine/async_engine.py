@@ -126,6 +126,10 @@ class AsyncEngine:
             aborted = self._drain_inbox()
             if aborted:
                 self._publish(aborted)
+                if self.on_step is not None:  # gauges must drop even if no step follows the abort
+                    self.on_step(StepStats(num_running=len(core.scheduler.running),
+                                           num_waiting=len(core.scheduler.waiting),
+                                           kv_cache_usage=core.allocator.usage), aborted)
             if not core.has_unfinished():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()

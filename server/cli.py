@@ -55,6 +55,9 @@ def _serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: stop admitting, let in-flight requests finish
             begin_drain(app)
             super().handle_exit(sig, frame)
+            # uvicorn re-raises the captured signal after shutting down (exit status 128+n); a graceful stop
+            # is a successful run for us and for orchestrators, so exit 0 instead
+            self._captured_signals.clear()
 
     server = Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                    log_level=config.server.log_level,

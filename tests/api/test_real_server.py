@@ -1,0 +1,155 @@
+"""A real `specserve serve` process on 127.0.0.1: the OpenAI SDK, client disconnects, graceful SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tiny, *extra: str, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny["llama"]), "--draft-model",
+               str(tiny["llama_draft"]), "--dtype", "float32", "--kv-cache-memory", "16MiB",
+               "--served-model-name", "tiny", "--port", str(self.port), "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, env=os.environ | (env or {}), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 90
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not become healthy"
+            time.sleep(0.1)
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(tiny, "--api-key", "k", "--max-num-seqs", "4")
+    yield s
+    s.stop()
+
+
+def test_openai_sdk_chat_and_completions(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, n=2, seed=3, temperature=0.9)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens <= 12
+    assert chat.model_extra["speculation"]["method"] == "draft"
+    again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=6, n=2, seed=3, temperature=0.9)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in chat.choices]
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    comp = client.completions.create(model="tiny", prompt="The quick", max_tokens=5)
+    assert comp.choices[0].finish_reason in ("stop", "length")
+    streamed = list(client.completions.create(model="tiny", prompt="The quick", max_tokens=5, stream=True))
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_sdk_error_mapping(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], temperature=5)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": "Bearer k"}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # hang up after the first token
+    deadline = time.monotonic() + 10
+    while server.metric("specserve_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "request kept running after the client hung up"
+        time.sleep(0.05)
+
+
+def test_queue_full_is_429_with_retry_after(tiny):
+    s = Server(tiny, "--max-num-seqs", "1", "--max-queue-len", "1")
+    try:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 150, "ignore_eos": True}
+        threads = [threading.Thread(target=httpx.post, args=(s.url + "/v1/completions",),
+                                    kwargs={"json": body, "timeout": 60}) for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0).completions.create(
+                model="tiny", prompt="x", max_tokens=5)
+        for t in threads:
+            t.join()
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_lets_inflight_stream_finish_then_exits_0(tiny):
+    s = Server(tiny, "--shutdown-timeout", "20")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 2:
+                    s.proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in events[-2]  # the stream ran to its end, not cut at SIGTERM
+    assert s.proc.wait(timeout=60) == 0
+
+
+def test_sigterm_deadline_ends_streams_with_error(tiny):
+    s = Server(tiny, "--shutdown-timeout", "0.5", "--max-model-len", "256")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 2:
+                    s.proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "shutting down" in events[-2]
+    assert s.proc.wait(timeout=60) == 0
