@@ -117,7 +117,9 @@ class EngineCore:
         if self.allocator.blocks_for(need) > self.allocator.num_blocks:
             raise RequestTooLongError(f"the request needs up to {need} tokens of KV cache but kv_cache_memory holds "
                                       f"{self.allocator.num_blocks * self.allocator.block_size}", param="max_tokens")
-        method = self.method if (params.num_speculative_tokens or self.num_speculative_tokens) else "none"
+        want = params.num_speculative_tokens
+        k = self.num_speculative_tokens if want is None else min(want, self.num_speculative_tokens)
+        method = self.method if k > 0 else "none"
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        self.eos_token_ids, max_tokens, method, self.device)
 

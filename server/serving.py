@@ -149,7 +149,6 @@ def now() -> int:
 
 def chat_response(ctx: ServingContext, rid: str, num_prompt_tokens: int, outs: list[RequestOutput]) -> dict:
     return {"id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name,
-            "system_fingerprint": None,
             "choices": [{"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
                          "logprobs": chat_logprobs(ctx.tokenizer, o.logprobs), "finish_reason": finish_reason(o)}
                         for i, o in enumerate(outs)],
@@ -164,5 +163,5 @@ def completion_response(ctx: ServingContext, rid: str, req: CompletionRequest, p
         choices.append({"index": i, "text": prefix + o.text, "finish_reason": finish_reason(o),
                         "logprobs": completion_logprobs(ctx.tokenizer, o.logprobs, len(prefix))})
     return {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name,
-            "system_fingerprint": None, "choices": choices, "usage": usage(num_prompt_tokens, outs),
+            "choices": choices, "usage": usage(num_prompt_tokens, outs),
             "speculation": speculation_sum(outs)}

@@ -40,7 +40,7 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
 
         def chunk(choices, **extra):
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                    "system_fingerprint": None, "choices": choices, **extra}
+                    "choices": choices, **extra}
 
         for i in range(len(streams)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -68,7 +68,7 @@ def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str]
 
         def chunk(choices, **extra):
             return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                    "system_fingerprint": None, "choices": choices, **extra}
+                    "choices": choices, **extra}
 
         sent_chars = [0] * len(streams)
         if echo:

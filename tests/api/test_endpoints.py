@@ -157,3 +157,29 @@ def test_health_503_when_model_fails_to_load(tiny, tmp_path):
         assert r.status_code == 503 and r.json()["status"] == "dead"
         r = c.post("/v1/chat/completions", json=CHAT | {"model": "missing"})
         assert r.status_code == 503
+
+
+def test_greedy_api_output_equals_no_speculation(client):
+    body = CHAT | {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    spec = client.post("/v1/chat/completions", json=body).json()
+    plain = client.post("/v1/chat/completions", json=body | {"num_speculative_tokens": 0}).json()
+    assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert spec["speculation"]["num_draft_tokens"] > 0 and plain["speculation"]["num_draft_tokens"] == 0
+    assert plain["speculation"]["method"] == "none"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_output(client, stream):
+    body = {"model": "tiny", "prompt": "The quick", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    clean = [i for i in range(2, len(full) - 2) if "\ufffd" not in full[i:i + 2] and full.find(full[i:i + 2]) == i]
+    cut = clean[len(clean) // 2]
+    body |= {"stop": [full[cut:cut + 2]], "stream": stream}
+    if stream:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            chunks = sse_events(r)[:-1]
+        text, reason = "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        text, reason = choice["text"], choice["finish_reason"]
+    assert (text, reason) == (full[:cut], "stop")
