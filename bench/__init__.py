@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print JSON and a table (not tests)."""
