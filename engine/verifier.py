@@ -35,7 +35,9 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], draft_i
     p_rows = processed_probs(logits, st, counts)  # [N, V]
     gens = [r.generator for r in requests]
     uniforms = uniform_noise(gens, ks, k_max, default_generator, device)  # [B, K]
-    noise = exponential_noise(gens, vocab, default_generator, device)  # [B, V]
+    # [B, V]; an all-greedy batch samples one-hot rows, for which any positive noise gives the argmax
+    noise = torch.ones(batch, vocab, device=device) if st.all_greedy else \
+        exponential_noise(gens, vocab, default_generator, device)
     out = rejection_sample(p_rows[pad_index], draft_probs, draft_ids, num_draft, uniforms, noise)
     lp = _logprob_tensors(logits, requests, pad_index, out.output_token_ids)
     host = torch.cat([out.output_token_ids, out.num_emitted_draft_tokens[:, None],

@@ -40,9 +40,12 @@ class DraftModelProposer:
         for j in range(k_max):
             idx = torch.tensor(active, device=self.device)
             q = processed_probs(logits, _select(st_all, idx))  # [A, V]
-            noise = exponential_noise([requests[a].generator for a in active], vocab, default_generator,
-                                      self.device)
-            drafted = sample(q, noise)  # [A]
+            if st_all.all_greedy:  # one-hot q: the argmax needs no noise (and greedy rows consume none)
+                drafted = q.argmax(dim=-1)
+            else:
+                noise = exponential_noise([requests[a].generator for a in active], vocab, default_generator,
+                                          self.device)
+                drafted = sample(q, noise)  # [A]
             token_ids[idx, j] = drafted
             probs[idx, j] = q
             keep = [n for n, a in enumerate(active) if ks[a] > j + 1]
