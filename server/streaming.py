@@ -34,29 +34,41 @@ async def _guarded(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     yield {"data": DONE}
 
 
+def _chunk_maker(ctx: ServingContext, rid: str, obj: str):
+    created = now()
+
+    def chunk(choices, **extra):
+        return {"id": rid, "object": obj, "created": created, "model": ctx.model_name, "choices": choices, **extra}
+
+    return chunk
+
+
+async def _deltas(streams, finals: dict[int, RequestOutput]):
+    """(choice index, output) for every output worth a chunk; finished outputs are kept for the usage chunk."""
+    async for i, out in merge(streams):
+        if out.finished:
+            finals[i] = out
+        if out.delta_text or out.finished or out.delta_logprobs:
+            yield i, out
+
+
+def _usage_chunk(chunk, finals: dict[int, RequestOutput], num_prompt_tokens: int) -> dict:
+    outs = [finals[i] for i in sorted(finals)]
+    return chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
+
+
 def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, include_usage: bool):
     async def chunks():
-        created = now()
-
-        def chunk(choices, **extra):
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
-                    "choices": choices, **extra}
-
+        chunk, finals = _chunk_maker(ctx, rid, "chat.completion.chunk"), {}
         for i in range(len(streams)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            if not (out.delta_text or out.finished or out.delta_logprobs):
-                continue
+        async for i, out in _deltas(streams, finals):
             delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             yield chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(ctx.tokenizer, out.delta_logprobs),
                           "finish_reason": finish_reason(out) if out.finished else None}])
-            if out.finished:
-                finals[i] = out
         if include_usage:
-            outs = [finals[i] for i in sorted(finals)]
-            yield chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
+            yield _usage_chunk(chunk, finals, num_prompt_tokens)
 
     return sse_response(_guarded(chunks()))
 
@@ -64,29 +76,17 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
 def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str], n: int, echo: bool,
                       num_prompt_tokens: int, include_usage: bool):
     async def chunks():
-        created = now()
-
-        def chunk(choices, **extra):
-            return {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                    "choices": choices, **extra}
-
-        sent_chars = [0] * len(streams)
+        chunk, finals = _chunk_maker(ctx, rid, "text_completion"), {}
+        sent_chars = [len(prompts[i // n]) if echo else 0 for i in range(len(streams))]
         if echo:
             for i in range(len(streams)):
-                sent_chars[i] = len(prompts[i // n])
                 yield chunk([{"index": i, "text": prompts[i // n], "logprobs": None, "finish_reason": None}])
-        finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(streams):
-            if not (out.delta_text or out.finished or out.delta_logprobs):
-                continue
+        async for i, out in _deltas(streams, finals):
             lp = completion_logprobs(ctx.tokenizer, out.delta_logprobs, sent_chars[i])
             sent_chars[i] += len(out.delta_text)
             yield chunk([{"index": i, "text": out.delta_text, "logprobs": lp,
                           "finish_reason": finish_reason(out) if out.finished else None}])
-            if out.finished:
-                finals[i] = out
         if include_usage:
-            outs = [finals[i] for i in sorted(finals)]
-            yield chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
+            yield _usage_chunk(chunk, finals, num_prompt_tokens)
 
     return sse_response(_guarded(chunks()))

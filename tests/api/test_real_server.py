@@ -126,31 +126,31 @@ def test_queue_full_is_429_with_retry_after(tiny):
         assert s.stop() == 0
 
 
-def test_sigterm_lets_inflight_stream_finish_then_exits_0(tiny):
-    s = Server(tiny, "--shutdown-timeout", "20")
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 120, "ignore_eos": True, "stream": True}
+def _stream_and_sigterm(s: Server, max_tokens: int) -> list[str]:
+    """Stream a completion and send SIGTERM once the first token has arrived; return the data lines."""
+    body = {"model": "tiny", "prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line)
-                if len(events) == 2:
+                if len(events) == 1:
                     s.proc.send_signal(signal.SIGTERM)
+    return events
+
+
+def test_sigterm_lets_inflight_stream_finish_then_exits_0(tiny):
+    s = Server(tiny, "--shutdown-timeout", "30")
+    events = _stream_and_sigterm(s, 120)
     assert events[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in events[-2]  # the stream ran to its end, not cut at SIGTERM
     assert s.proc.wait(timeout=60) == 0
 
 
 def test_sigterm_deadline_ends_streams_with_error(tiny):
-    s = Server(tiny, "--shutdown-timeout", "0.5", "--max-model-len", "256")
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}
-    events = []
-    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-                if len(events) == 2:
-                    s.proc.send_signal(signal.SIGTERM)
+    # a 10 ms deadline cannot cover the ~250 tokens still to come: the stream must end with an error event
+    s = Server(tiny, "--shutdown-timeout", "0.01", "--num-speculative-tokens", "1")
+    events = _stream_and_sigterm(s, 250)
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "shutting down" in events[-2]
     assert s.proc.wait(timeout=60) == 0
