@@ -53,8 +53,10 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # cumulative; None unless requested
     delta_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() of the engine's clock
+    first_scheduled_time: float | None = None  # left the waiting queue (queue time = this - arrival)
     first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 class Request:
@@ -81,7 +83,9 @@ class Request:
         self._logprobs_sent = 0
         self._tokens_sent = 0
         self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,6 +106,7 @@ class Request:
     def finish(self, reason: str) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
+        self.finished_time = time.monotonic()
         self.detokenizer.flush()
 
     def make_output(self, error: str | None = None) -> RequestOutput:
@@ -119,4 +124,5 @@ class Request:
             finish_reason=self.finish_reason, speculation=replace(self.speculation),
             delta_text=self.detokenizer.take_delta(self.finished), delta_token_ids=delta_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None, delta_logprobs=delta_lp,
-            error=error, arrival_time=self.arrival_time, first_token_time=self.first_token_time)
+            error=error, arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time, finished_time=self.finished_time)

@@ -4,6 +4,7 @@ max_num_batched_tokens and the KV budget; then admit waiting requests. Preempts 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -99,6 +100,8 @@ class Scheduler:
                 break  # waits until blocks are freed
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.seqs.append(self._scheduled(req, n, 0))
             budget -= n

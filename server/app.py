@@ -44,7 +44,7 @@ async def _load(engine: AsyncEngine) -> None:
 
 def create_app(config: AppConfig) -> FastAPI:
     name = served_model_name(config)
-    metrics = Metrics(name, config.engine.method)
+    metrics = Metrics(name, config.engine.method, config.engine.num_speculative_tokens)
     engine = AsyncEngine(config.engine, on_step=metrics.on_step)
 
     @contextlib.asynccontextmanager

@@ -61,24 +61,36 @@ def _is_type_name(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
 
 
+_FAILURE_REASON = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 413: "too_large",
+                   429: "queue_full", 503: "unavailable"}
+
+
+def _respond(request: Request, err: APIError) -> JSONResponse:
+    """Answer in OpenAI's shape and count refused /v1 requests in specserve_request_failure_total{reason}."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None and request.url.path.startswith("/v1/"):
+        metrics.record_failure(_FAILURE_REASON.get(err.status, "error"))
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
+    async def _on_validation(request: Request, exc: RequestValidationError):
+        return _respond(request, _validation_error(exc))
 
     @app.exception_handler(APIError)
-    async def _on_api_error(_: Request, exc: APIError):
-        return exc.response()
+    async def _on_api_error(request: Request, exc: APIError):
+        return _respond(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _on_http(_: Request, exc: StarletteHTTPException):
+    async def _on_http(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+        return _respond(request, APIError(exc.status_code, str(exc.detail), type=kind))
 
     @app.exception_handler(EngineError)
-    async def _on_engine_error(_: Request, exc: EngineError):
-        return api_error(exc).response()
+    async def _on_engine_error(request: Request, exc: EngineError):
+        return _respond(request, api_error(exc))
 
     @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, exc: Exception):  # a bug: still answer in OpenAI's shape
-        return api_error(exc).response()
+    async def _on_unexpected(request: Request, exc: Exception):  # a bug: still answer in OpenAI's shape
+        return _respond(request, api_error(exc))

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q --upgrade pip >/dev/null
 .venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+bash tools/install-prometheus.sh
 .venv/bin/python -m pytest -q --durations=15 "$@"
