@@ -19,7 +19,7 @@ ENV_CONFIG = "SPECSERVE_CONFIG"
 ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR"})  # read elsewhere, not config fields
 SECTIONS = (EngineConfig, ServerConfig)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-CHOICES = {"speculative_method": ("draft", "none"), "log_level": LOG_LEVELS}
+CHOICES = {"speculative_method": ("draft", "none"), "log_level": LOG_LEVELS, "log_format": ("text", "json")}
 
 # field -> (meaning, what a None default means; None where the default is a plain value)
 HELP: dict[str, tuple[str, str | None]] = {
@@ -44,6 +44,7 @@ HELP: dict[str, tuple[str, str | None]] = {
                           "the model path's last component (specserve-demo for the bundled pair)"),
     "shutdown_timeout": ("seconds in-flight requests may finish after SIGTERM", None),
     "log_level": ("log level", None),
+    "log_format": ("log line format: text or json (one line per finished request; never the prompt text)", None),
 }
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)

@@ -56,6 +56,7 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model path's last component ("specserve-demo" for the pair)
     shutdown_timeout: float = 30.0  # seconds in-flight requests may finish after SIGTERM
     log_level: str = "info"
+    log_format: str = "text"  # "text" | "json": one line per finished request either way
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,6 +65,8 @@ class ServerConfig:
             raise ValueError("shutdown_timeout: must be >= 0")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError("log_level: must be one of critical, error, warning, info, debug, trace")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format: must be 'text' or 'json'")
 
 
 @dataclass(frozen=True)

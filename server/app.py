@@ -15,6 +15,7 @@ from config.schema import AppConfig
 from engine.async_engine import AsyncEngine
 from server.errors import install_error_handlers
 from server.metrics import Metrics
+from server.request_log import RequestIdMiddleware
 from server.routes import router
 from server.serving import ServingContext
 
@@ -66,6 +67,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(router)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

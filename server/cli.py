@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -45,10 +44,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from config.loader import build_config
     from server.app import begin_drain, create_app
+    from server.request_log import configure_logging
 
     config = build_config(args, os.environ)
-    logging.basicConfig(level=config.server.log_level.upper() if config.server.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.server.log_level, config.server.log_format)
     app = create_app(config)
 
     class Server(uvicorn.Server):
@@ -60,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
             self._captured_signals.clear()
 
     server = Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                   log_level=config.server.log_level,
+                                   log_level=config.server.log_level, log_config=None,
                                    timeout_graceful_shutdown=config.server.shutdown_timeout + 5))
     server.run()
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -11,6 +12,7 @@ from server.auth import require_api_key
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE
 from server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from server.request_log import log_finished
 from server.serving import (check_model, chat_response, collect, completion_response, new_id, now,
                             render_chat_prompt, submit_all)
 from server.streaming import chat_stream, completion_stream
@@ -50,6 +52,11 @@ async def list_models(request: Request):
                                          "created": now(), "owned_by": "specserve"}]}
 
 
+def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int):
+    started, request_id = time.monotonic(), request.state.request_id
+    return lambda outs, status: log_finished(request_id, rid, endpoint, started, num_prompt_tokens, outs, status)
+
+
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ready(request)
@@ -58,10 +65,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i)) for i in range(body.n)]
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
+    done = _logger(request, rid, "chat", len(ids))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return chat_stream(ctx, rid, streams, len(ids), include_usage)
+        return chat_stream(ctx, rid, streams, len(ids), include_usage, done)
     outs = await _unless_disconnected(request, collect(streams))
+    done(outs or [], "ok" if outs is not None else "disconnected")
     if outs is None:
         return Response(status_code=499)
     return JSONResponse(chat_response(ctx, rid, len(ids), outs))
@@ -79,10 +88,13 @@ async def completions(body: CompletionRequest, request: Request):
     rid = new_id("cmpl")
     streams = submit_all(ctx, jobs, rid, param="prompt")
     num_prompt_tokens = sum(len(p) for p in ids)
+    done = _logger(request, rid, "completions", num_prompt_tokens)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return completion_stream(ctx, rid, streams, texts, body.n, body.echo, num_prompt_tokens, include_usage)
+        return completion_stream(ctx, rid, streams, texts, body.n, body.echo, num_prompt_tokens, include_usage,
+                                 done)
     outs = await _unless_disconnected(request, collect(streams))
+    done(outs or [], "ok" if outs is not None else "disconnected")
     if outs is None:
         return Response(status_code=499)
     return JSONResponse(completion_response(ctx, rid, body, texts, num_prompt_tokens, outs))

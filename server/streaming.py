@@ -5,7 +5,7 @@ engine requests (KV freed within a step)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse
 
@@ -15,6 +15,7 @@ from server.serving import (ServingContext, chat_logprobs, completion_logprobs, 
                             speculation_sum, usage)
 
 DONE = "[DONE]"
+OnEnd = Callable[[list[RequestOutput], str], None]
 
 
 def sse_response(events: AsyncIterator[str], headers: dict[str, str] | None = None) -> EventSourceResponse:
@@ -57,9 +58,26 @@ def _usage_chunk(chunk, finals: dict[int, RequestOutput], num_prompt_tokens: int
     return chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
 
 
-def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, include_usage: bool):
+async def _reported(chunks: AsyncIterator[dict], finals: dict[int, RequestOutput], on_end: OnEnd):
+    """Pass chunks through; tell on_end how the stream ended: ok, error, or disconnected (cancelled)."""
+    status = "disconnected"
+    try:
+        async for chunk in chunks:
+            yield chunk
+        status = "ok"
+    except Exception:
+        status = "error"
+        raise
+    finally:
+        on_end([finals[i] for i in sorted(finals)], status)
+
+
+def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, include_usage: bool,
+                on_end: OnEnd):
+    finals: dict[int, RequestOutput] = {}
+
     async def chunks():
-        chunk, finals = _chunk_maker(ctx, rid, "chat.completion.chunk"), {}
+        chunk = _chunk_maker(ctx, rid, "chat.completion.chunk")
         for i in range(len(streams)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
@@ -70,13 +88,15 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
         if include_usage:
             yield _usage_chunk(chunk, finals, num_prompt_tokens)
 
-    return sse_response(_guarded(chunks()))
+    return sse_response(_guarded(_reported(chunks(), finals, on_end)))
 
 
 def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str], n: int, echo: bool,
-                      num_prompt_tokens: int, include_usage: bool):
+                      num_prompt_tokens: int, include_usage: bool, on_end: OnEnd):
+    finals: dict[int, RequestOutput] = {}
+
     async def chunks():
-        chunk, finals = _chunk_maker(ctx, rid, "text_completion"), {}
+        chunk = _chunk_maker(ctx, rid, "text_completion")
         sent_chars = [len(prompts[i // n]) if echo else 0 for i in range(len(streams))]
         if echo:
             for i in range(len(streams)):
@@ -89,4 +109,4 @@ def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str]
         if include_usage:
             yield _usage_chunk(chunk, finals, num_prompt_tokens)
 
-    return sse_response(_guarded(chunks()))
+    return sse_response(_guarded(_reported(chunks(), finals, on_end)))

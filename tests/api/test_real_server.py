@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -114,3 +115,21 @@ def test_sigterm_deadline_ends_streams_with_error(tiny):
     assert events[-1] == "data: [DONE]"
     assert '"error"' in events[-2] and "shutting down" in events[-2]
     assert s.proc.wait(timeout=60) == 0
+
+
+def test_json_request_log_and_request_id(tiny):
+    s = Server(tiny, "--log-format", "json", "--log-level", "info")
+    secret = "a private prompt 12345"
+    r = httpx.post(s.url + "/v1/completions", headers={"X-Request-Id": "trace-42"}, timeout=60,
+                   json={"model": "tiny", "prompt": secret, "max_tokens": 4, "ignore_eos": True})
+    assert r.headers["x-request-id"] == "trace-42"
+    generated = httpx.get(s.url + "/v1/models").headers["x-request-id"]
+    assert len(generated) >= 16
+    assert s.stop() == 0
+    lines = [json.loads(line) for line in s.proc.stdout.read().splitlines() if line.startswith("{")]
+    finished = [x for x in lines if x.get("message") == "request finished"]
+    assert len(finished) == 1, lines
+    entry = finished[0]
+    assert entry["request_id"] == "trace-42" and entry["completion_tokens"] == 4 and entry["status"] == "ok"
+    assert {"prompt_tokens", "draft_tokens", "accepted_tokens", "acceptance_rate", "latency_s"} <= set(entry)
+    assert all(secret not in json.dumps(x) for x in lines)
