@@ -7,6 +7,7 @@ rejected positions (O(1): computed lengths only) and frees finished requests' bl
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from engine.scheduler import ScheduledSeq, Scheduler
 from engine.spec.draft_model import DraftModelProposer
 from engine.stats import EngineTotals, StepStats
 from engine.verifier import verify
+
+log = logging.getLogger("specserve.engine")
 
 
 class EngineCore:
@@ -217,12 +220,18 @@ class EngineCore:
                 stats.accepted_lengths.append(m + 1)
                 for j in range(m):
                     stats.num_accepted_tokens_per_pos[j] += 1
-            lp = res.logprobs[b]
-            for j, tok in enumerate(res.tokens[b]):
-                self._append(req, tok, None if lp is None else TokenLogprob(tok, lp[0][j], lp[1][j]))
-                stats.num_generation_tokens += 1
-                if req.finished:
-                    break
+            try:  # a fault in one request (bad logits, a tokenizer error) ends that request alone
+                if res.non_finite[b]:
+                    raise FloatingPointError("the target produced non-finite logits")
+                lp = res.logprobs[b]
+                for j, tok in enumerate(res.tokens[b]):
+                    self._append(req, tok, None if lp is None else TokenLogprob(tok, lp[0][j], lp[1][j]))
+                    stats.num_generation_tokens += 1
+                    if req.finished:
+                        break
+            except Exception as exc:
+                log.exception("request %s failed", req.request_id)
+                req.fail(f"{type(exc).__name__}: {exc}")
             req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)  # roll back rejects
             if self.proposer is not None:
                 self.proposer.rollback(req)

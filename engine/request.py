@@ -78,6 +78,7 @@ class Request:
         self.num_draft_computed_tokens = 0  # same for the draft model
         self.block_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None
         self.speculation = SpeculationStats(method=method)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self._logprobs_sent = 0
@@ -107,9 +108,15 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.finished_time = time.monotonic()
-        self.detokenizer.flush()
+        if reason != "error":
+            self.detokenizer.flush()
 
-    def make_output(self, error: str | None = None) -> RequestOutput:
+    def fail(self, message: str) -> None:
+        """End this request with an error (finish_reason "error"); the batch carries on without it."""
+        self.error = message
+        self.finish("error")
+
+    def make_output(self) -> RequestOutput:
         """Snapshot with the deltas since the previous snapshot."""
         out_ids = self.output_token_ids
         delta_ids = out_ids[self._tokens_sent:]
@@ -124,5 +131,5 @@ class Request:
             finish_reason=self.finish_reason, speculation=replace(self.speculation),
             delta_text=self.detokenizer.take_delta(self.finished), delta_token_ids=delta_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None, delta_logprobs=delta_lp,
-            error=error, arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
+            error=self.error, arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
             first_token_time=self.first_token_time, finished_time=self.finished_time)

@@ -17,6 +17,7 @@ class VerifyResult:
     tokens: list[list[int]]  # per request: the emitted tokens (accepted drafts, then one recovered/bonus token)
     num_accepted: list[int]  # draft tokens emitted per request
     num_accepted_independent: list[int]
+    non_finite: list[bool]  # the target's logits for this request held NaN/inf: its tokens must not be used
     logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None]  # per request, per emitted token
 
 
@@ -40,11 +41,15 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], draft_i
         exponential_noise(gens, vocab, default_generator, device)
     out = rejection_sample(p_rows[pad_index], draft_probs, draft_ids, num_draft, uniforms, noise)
     lp = _logprob_tensors(logits, requests, pad_index, out.output_token_ids)
+    bad_rows = (~torch.isfinite(logits).all(dim=-1)).long()  # [N]
+    bad = torch.zeros(batch, dtype=torch.long, device=device).index_add_(
+        0, torch.repeat_interleave(torch.arange(batch, device=device), num_draft + 1), bad_rows)  # [B]
     host = torch.cat([out.output_token_ids, out.num_emitted_draft_tokens[:, None],
-                      out.num_accepted_independent[:, None]], dim=1).tolist()  # the step's one host sync
+                      out.num_accepted_independent[:, None], bad[:, None]], dim=1).tolist()  # the one host sync
     emitted = [row[k_max + 1] for row in host]
     tokens = [row[: m + 1] for row, m in zip(host, emitted)]
-    return VerifyResult(tokens, emitted, [row[k_max + 2] for row in host], _logprob_lists(lp, requests, emitted))
+    return VerifyResult(tokens, emitted, [row[k_max + 2] for row in host], [row[k_max + 3] > 0 for row in host],
+                        _logprob_lists(lp, requests, emitted))
 
 
 def _penalty_counts(requests: list[Request], ks: list[int], draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -74,6 +74,8 @@ async def merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
                 done += 1
             elif isinstance(item, Exception):
                 raise item
+            elif item.finished and item.finish_reason == "error":  # this request failed alone in the engine
+                raise APIError(500, f"generation failed: {item.error}", type="server_error", code="request_failed")
             else:
                 yield i, item
     finally:
