@@ -10,6 +10,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from copy import deepcopy
+from dataclasses import replace
 
 from config.schema import EngineConfig
 from engine.client import EngineHealth, EngineSnapshot
@@ -33,7 +34,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._submitted = 0  # adds put in the inbox; minus _drained = adds the engine thread has not seen yet
         self._drained = 0
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.tokenizer = None  # a copy for the event loop's thread: HF fast tokenizers are not safe to share
@@ -89,7 +90,7 @@ class AsyncEngine:
         if waiting >= self.config.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests)")
         stream = RequestStream(self, request)
-        self._streams[request_id] = stream.queue
+        self._streams[request_id] = stream
         self._submitted += 1
         self._inbox.put(("add", request))
         self._wakeup.set()
@@ -167,23 +168,42 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _fail_all(self, exc: Exception) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(exc)
+            stream.put(exc)
 
 
 class RequestStream:
-    """Async iterator over one request's outputs; `aclose()` before the end aborts the request."""
+    """Async iterator over one request's outputs; `aclose()` before the end aborts the request.
+
+    Backpressure: at most one undelivered output is held. If the consumer (a slow SSE reader) falls behind,
+    newer outputs are merged into it (deltas concatenated, snapshot fields replaced), so memory per request stays
+    bounded by one snapshot however far behind the reader is.
+    """
 
     def __init__(self, engine: AsyncEngine, request):
         self.engine = engine
         self.request_id = request.request_id
         self.num_prompt_tokens = request.num_prompt_tokens
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self._pending: RequestOutput | Exception | None = None
+        self._ready = asyncio.Event()
         self._closed = False
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """On the event loop: hand over an output (merged into an undelivered one) or an error."""
+        prev = self._pending
+        if isinstance(item, RequestOutput) and isinstance(prev, RequestOutput):
+            item = replace(item, delta_text=prev.delta_text + item.delta_text,
+                           delta_token_ids=prev.delta_token_ids + item.delta_token_ids,
+                           delta_logprobs=None if item.delta_logprobs is None else
+                           (prev.delta_logprobs or []) + item.delta_logprobs)
+        elif isinstance(prev, Exception):
+            return  # an error is final
+        self._pending = item
+        self._ready.set()
 
     def __aiter__(self):
         return self
@@ -191,7 +211,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished or self._closed:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
         if isinstance(item, Exception):
             await self.aclose()
             raise item

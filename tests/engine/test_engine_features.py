@@ -172,3 +172,26 @@ def test_async_engine_queue_full(tiny):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_slow_reader_gets_merged_outputs_not_a_growing_queue(tiny):
+    async def main():
+        engine = AsyncEngine(EngineConfig(model=str(tiny["llama"]), draft_model=str(tiny["llama_draft"]),
+                                          num_speculative_tokens=3, dtype="float32", device="cpu",
+                                          kv_cache_memory=1 << 24, seed=0))
+        await engine.start()
+        stream = engine.submit(PROMPT, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        first = await stream.__anext__()
+        for _ in range(200):  # stop reading until the request has finished in the engine
+            if engine.stats().num_running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert isinstance(stream._pending, type(first))  # one held output, not a queue of them
+        rest = [out async for out in stream]
+        await engine.shutdown()
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert len(rest) == 1 and rest[0].finished  # everything after the first read arrived merged
+    assert first.delta_token_ids + rest[0].delta_token_ids == rest[0].output_token_ids
+    assert first.delta_text + rest[0].delta_text == rest[0].text
