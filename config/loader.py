@@ -45,7 +45,14 @@ HELP: dict[str, tuple[str, str | None]] = {
     "shutdown_timeout": ("seconds in-flight requests may finish after SIGTERM", None),
     "log_level": ("log level", None),
     "log_format": ("log line format: text or json (one line per finished request; never the prompt text)", None),
+    "trust_remote_code": ("let transformers run code shipped with the model", None),
+    "api_key_file": ("read the API key from this file instead of --api-key", "none"),
+    "auth_probes": ("also require the API key on /health and /metrics", None),
+    "cors_allow_origins": ("comma-separated origins allowed by CORS ('*' for any)", "CORS off"),
+    "max_request_bytes": ("largest request body; larger ones get HTTP 413; accepts sizes like 4MiB", None),
+    "request_timeout": ("seconds a request may run before it ends with an error (HTTP 504)", "no limit"),
 }
+SIZE_FIELDS = frozenset({"kv_cache_memory", "max_request_bytes"})
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 _POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -83,7 +90,7 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
             return None
         if name in CHOICES:
             return text.lower()
-        if name == "kv_cache_memory":
+        if name in SIZE_FIELDS:
             return parse_size(text)
         if base is bool:
             if text.lower() in _TRUE + _FALSE:
@@ -133,7 +140,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             kw["type"] = _cli_type(name, annotation)
             base = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
-            kw["metavar"] = "BYTES" if name == "kv_cache_memory" else {int: "N", float: "X"}.get(base, name.upper())
+            kw["metavar"] = "BYTES" if name in SIZE_FIELDS else {int: "N", float: "X"}.get(base, name.upper())
         parser.add_argument(flag, **kw)
 
 

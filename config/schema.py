@@ -22,6 +22,7 @@ class EngineConfig:
     max_queue_len: int = 256
     block_size: int = 16
     seed: int | None = None  # seeds the engine's generator (requests without their own seed)
+    trust_remote_code: bool = False  # let transformers run code shipped with a model (off unless the operator asks)
 
     def __post_init__(self) -> None:
         checks = [
@@ -57,6 +58,11 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests may finish after SIGTERM
     log_level: str = "info"
     log_format: str = "text"  # "text" | "json": one line per finished request either way
+    api_key_file: str | None = None  # read the API key from this file (alternative to api_key)
+    auth_probes: bool = False  # also require the API key on /health and /metrics
+    cors_allow_origins: str | None = None  # comma-separated origins ("*" for any); None: CORS off
+    max_request_bytes: int = 4 << 20  # larger request bodies get HTTP 413
+    request_timeout: float | None = None  # seconds a request may take; then it ends with an error (504)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +73,12 @@ class ServerConfig:
             raise ValueError("log_level: must be one of critical, error, warning, info, debug, trace")
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format: must be 'text' or 'json'")
+        if self.api_key and self.api_key_file:
+            raise ValueError("api_key_file: give either api_key or api_key_file, not both")
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes: must be >= 1")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout: must be > 0")
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,11 @@ class EngineCore:
         if draft_path is not None and config.method == "draft":
             check_model_path(draft_path, "draft_model")
         self.model_path = str(target_path)
-        self.tokenizer = load_tokenizer(target_path)
-        target = load_model(target_path, self.dtype, self.device)
+        remote = config.trust_remote_code
+        self.tokenizer = load_tokenizer(target_path, remote)
+        target = load_model(target_path, self.dtype, self.device, remote)
         self.method = config.method
-        draft = load_model(draft_path, self.dtype, self.device) if self.method == "draft" else None
+        draft = load_model(draft_path, self.dtype, self.device, remote) if self.method == "draft" else None
         if draft is not None:
             check_draft_compatible(target_path, draft_path, self.tokenizer, target.config, draft.config)
         self.vocab_size = target.config.vocab_size

@@ -42,9 +42,9 @@ def check_model_path(path: str | os.PathLike, field: str = "model") -> None:
         raise FileNotFoundError(f"{field}: no model directory at {text}")
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device):
+def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     register_attention()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
     if not getattr(model, "_supports_attention_backend", False):
         raise InvalidRequestError(
             f"model {path}: {type(model).__name__} does not route attention through transformers' "
@@ -53,8 +53,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     return model.to(device).eval()
 
 
-def load_tokenizer(path: str | os.PathLike):
-    return AutoTokenizer.from_pretrained(str(path))
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 def check_draft_compatible(target_path, draft_path, target_tok, target_cfg, draft_cfg) -> None:

@@ -9,11 +9,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from sse_starlette.sse import AppStatus
 
 from config.schema import AppConfig
 from engine.async_engine import AsyncEngine
-from server.errors import install_error_handlers
+from server.auth import resolve_api_key
+from server.errors import BodyLimitMiddleware, install_error_handlers
 from server.metrics import Metrics
 from server.request_log import RequestIdMiddleware
 from server.routes import router
@@ -61,12 +63,18 @@ def create_app(config: AppConfig) -> FastAPI:
     app = FastAPI(title="specserve", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible inference with lossless speculative decoding")
     app.state.config = config
+    app.state.api_key = resolve_api_key(config.server.api_key, config.server.api_key_file)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.ctx = ServingContext(engine=engine, model_name=name)
+    app.state.ctx = ServingContext(engine=engine, model_name=name, request_timeout=config.server.request_timeout)
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(router)
+    if config.server.cors_allow_origins:
+        origins = [o.strip() for o in config.server.cors_allow_origins.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_bytes)
     app.add_middleware(RequestIdMiddleware)
     return app
 

@@ -37,6 +37,9 @@ def api_error(exc: Exception) -> APIError:
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="service_unavailable", code="engine_unavailable")
+    if isinstance(exc, TimeoutError):
+        return APIError(504, "the request ran past the server's request timeout", type="timeout_error",
+                        code="request_timeout")
     return APIError(500, f"internal error: {exc!r}", type="server_error")
 
 
@@ -62,7 +65,43 @@ def _is_type_name(part: str) -> bool:
 
 
 _FAILURE_REASON = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 413: "too_large",
-                   429: "queue_full", 503: "unavailable"}
+                   429: "queue_full", 503: "unavailable", 504: "timeout"}
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over max_bytes with 413, whether announced by Content-Length or streamed chunked."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(scope, send)
+        body, more = [], True
+        while more:  # read (at most max_bytes of) the body up front, then replay it to the app
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+            if sum(map(len, body)) > self.max_bytes:
+                return await self._refuse(scope, send)
+        await self.app(scope, _replay([{"type": "http.request", "body": b"".join(body), "more_body": False}],
+                                      receive), send)
+
+    async def _refuse(self, scope, send):
+        err = APIError(413, f"the request body exceeds max_request_bytes ({self.max_bytes} bytes)",
+                       code="request_too_large")
+        await err.response()(scope, _replay([], None), send)
+
+
+def _replay(messages: list, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
 
 
 def _respond(request: Request, err: APIError) -> JSONResponse:
@@ -89,6 +128,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def _on_engine_error(request: Request, exc: EngineError):
+        return _respond(request, api_error(exc))
+
+    @app.exception_handler(TimeoutError)
+    async def _on_timeout(request: Request, exc: TimeoutError):
         return _respond(request, api_error(exc))
 
     @app.exception_handler(Exception)

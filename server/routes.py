@@ -69,7 +69,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return chat_stream(ctx, rid, streams, len(ids), include_usage, done)
-    outs = await _unless_disconnected(request, collect(streams))
+    outs = await _unless_disconnected(request, collect(streams, ctx.request_timeout))
     done(outs or [], "ok" if outs is not None else "disconnected")
     if outs is None:
         return Response(status_code=499)
@@ -93,14 +93,19 @@ async def completions(body: CompletionRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return completion_stream(ctx, rid, streams, texts, body.n, body.echo, num_prompt_tokens, include_usage,
                                  done)
-    outs = await _unless_disconnected(request, collect(streams))
+    outs = await _unless_disconnected(request, collect(streams, ctx.request_timeout))
     done(outs or [], "ok" if outs is not None else "disconnected")
     if outs is None:
         return Response(status_code=499)
     return JSONResponse(completion_response(ctx, rid, body, texts, num_prompt_tokens, outs))
 
 
-@router.get("/health")
+async def _probe_auth(request: Request) -> None:
+    if request.app.state.config.server.auth_probes:
+        await require_api_key(request)
+
+
+@router.get("/health", dependencies=[Depends(_probe_auth)])
 async def health(request: Request):
     h = request.app.state.engine.health()
     if h.ready and not request.app.state.draining:
@@ -114,7 +119,7 @@ async def version_info(request: Request):
     return {"version": request.app.version}
 
 
-@router.get("/metrics")
+@router.get("/metrics", dependencies=[Depends(_probe_auth)])
 async def metrics(request: Request):
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -17,6 +17,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 class ServingContext:
     engine: object  # AsyncEngine (EngineClient with submit)
     model_name: str
+    request_timeout: float | None = None
 
     @property
     def tokenizer(self):
@@ -52,8 +53,9 @@ def submit_all(ctx: ServingContext, jobs: list[tuple[str | list[int], object]], 
     return streams
 
 
-async def merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave the choices' outputs as they arrive; closing the merge aborts unfinished choices."""
+async def merge(streams, timeout: float | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the choices' outputs as they arrive; closing the merge, or passing `timeout` seconds
+    (TimeoutError), aborts unfinished choices."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
@@ -66,10 +68,12 @@ async def merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     try:
         done = 0
         while done < len(streams):
-            i, item = await queue.get()
+            async with asyncio.timeout_at(deadline):
+                i, item = await queue.get()
             if item is None:
                 done += 1
             elif isinstance(item, Exception):
@@ -85,9 +89,9 @@ async def merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
             await s.aclose()
 
 
-async def collect(streams) -> list[RequestOutput]:
+async def collect(streams, timeout: float | None = None) -> list[RequestOutput]:
     final: dict[int, RequestOutput] = {}
-    async for i, out in merge(streams):
+    async for i, out in merge(streams, timeout):
         if out.finished:
             final[i] = out
     return [final[i] for i in range(len(streams))]

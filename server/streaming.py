@@ -44,9 +44,9 @@ def _chunk_maker(ctx: ServingContext, rid: str, obj: str):
     return chunk
 
 
-async def _deltas(streams, finals: dict[int, RequestOutput]):
+async def _deltas(streams, finals: dict[int, RequestOutput], timeout: float | None):
     """(choice index, output) for every output worth a chunk; finished outputs are kept for the usage chunk."""
-    async for i, out in merge(streams):
+    async for i, out in merge(streams, timeout):
         if out.finished:
             finals[i] = out
         if out.delta_text or out.finished or out.delta_logprobs:
@@ -81,7 +81,7 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
         for i in range(len(streams)):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        async for i, out in _deltas(streams, finals):
+        async for i, out in _deltas(streams, finals, ctx.request_timeout):
             delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             yield chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(ctx.tokenizer, out.delta_logprobs),
                           "finish_reason": finish_reason(out) if out.finished else None}])
@@ -101,7 +101,7 @@ def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str]
         if echo:
             for i in range(len(streams)):
                 yield chunk([{"index": i, "text": prompts[i // n], "logprobs": None, "finish_reason": None}])
-        async for i, out in _deltas(streams, finals):
+        async for i, out in _deltas(streams, finals, ctx.request_timeout):
             lp = completion_logprobs(ctx.tokenizer, out.delta_logprobs, sent_chars[i])
             sent_chars[i] += len(out.delta_text)
             yield chunk([{"index": i, "text": out.delta_text, "logprobs": lp,

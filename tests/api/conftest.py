@@ -12,7 +12,8 @@ from server.app import create_app
 
 
 def make_client(tiny, **engine_kw) -> TestClient:
-    server_kw = {k: engine_kw.pop(k) for k in ("api_key", "served_model_name", "shutdown_timeout") if k in engine_kw}
+    server_fields = ServerConfig.__dataclass_fields__
+    server_kw = {k: engine_kw.pop(k) for k in list(engine_kw) if k in server_fields}
     engine = dict(model=str(tiny["llama"]), draft_model=str(tiny["llama_draft"]), num_speculative_tokens=3,
                   dtype="float32", device="cpu", kv_cache_memory=1 << 24, seed=0) | engine_kw
     return TestClient(create_app(AppConfig(EngineConfig(**engine), ServerConfig(**server_kw))))
