@@ -10,8 +10,39 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine.sampling_params import SamplingParams
 
 
+MAX_STOP_CHARS = 512
+
+
+def _find_unencodable(value, path: str) -> str | None:
+    """Path of the first string that is not valid Unicode (lone surrogates from JSON escapes like \\ud800)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (hit := _find_unencodable(v, f"{path}.{k}" if path else str(k))) is not None:
+                return hit
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (hit := _find_unencodable(v, f"{path}.{i}")) is not None:
+                return hit
+    return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Request(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        bad = _find_unencodable(data, "")
+        if bad is not None:
+            raise UnsupportedFieldError(bad, f"{bad}: the text is not valid UTF-8 (unpaired surrogate)")
+        return data
 
 
 class UnsupportedFieldError(ValueError):
@@ -43,7 +74,7 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # the SDK may send it; SSE here is not obfuscated either way
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -73,6 +104,8 @@ class _SamplingFields(_Strict):
             raise ValueError("at most 4 stop sequences are allowed")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @model_validator(mode="after")

@@ -183,3 +183,19 @@ def test_stop_string_cuts_output(client, stream):
         choice = client.post("/v1/completions", json=body).json()["choices"][0]
         text, reason = choice["text"], choice["finish_reason"]
     assert (text, reason) == (full[:cut], "stop")
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800 lone surrogate"}', "prompt"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [-1, 5]}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [10000000]}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["' + b"s" * 600 + b'"]}', "stop"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logprobs": 21}', "logprobs"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true, "logprobs": 1}', "echo"),
+    ("/v1/chat/completions", b"[]", None),
+])
+def test_bad_bytes_and_values_are_400_never_5xx(client, path, raw, param):
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
