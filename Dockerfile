@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # specserve: OpenAI-compatible server with lossless speculative decoding, serving the bundled demo pair by default.
 #
 #   docker build -t specserve .                      # CPU image (torch CPU wheels, python:3.11-slim)
@@ -8,7 +7,7 @@
 #   BASE_IMAGE       base of both stages; needs glibc + Debian/Ubuntu apt (python3 is installed when missing), e.g.
 #                    --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 #   TORCH_INDEX_URL  pip index torch comes from. Default: PyTorch's CPU wheel index, because PyPI's default
-#                    torch wheel on Linux x86_64 is the CUDA build (~several GB of nvidia-* wheels). For a GPU
+#                    torch wheel on Linux x86_64 is the CUDA build (several GB of nvidia-* wheels). For a GPU
 #                    image use https://download.pytorch.org/whl/cu128 (wheels bundle CUDA; the host needs only
 #                    the driver + NVIDIA Container Toolkit), or "" for PyPI's default build.
 #   TORCH_VERSION    torch version (pyproject keeps a range; the image pins one).
