@@ -18,6 +18,8 @@ ENV_PREFIX = "SPECSERVE_"
 ENV_CONFIG = "SPECSERVE_CONFIG"
 ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR"})  # read elsewhere, not config fields
 SECTIONS = (EngineConfig, ServerConfig)
+# variables Kubernetes injects for a Service named "specserve" (SPECSERVE_SERVICE_HOST, SPECSERVE_PORT_8000_TCP, ...)
+_K8S_SERVICE_LINKS = (ENV_PREFIX + "SERVICE_", ENV_PREFIX + "PORT_")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 CHOICES = {"speculative_method": ("draft", "none"), "log_level": LOG_LEVELS, "log_format": ("text", "json")}
 
@@ -185,8 +187,11 @@ def build_config(args: argparse.Namespace | None = None, env: Mapping[str, str] 
                 raise ValueError(f"config file {path}: {name}: {exc}") from None
 
     for var, raw in env.items():
-        if not var.startswith(ENV_PREFIX) or var in ENV_OTHER:
+        if not var.startswith(ENV_PREFIX) or var in ENV_OTHER or var.startswith(_K8S_SERVICE_LINKS):
             continue
+        if var == ENV_PREFIX + "PORT" and raw.startswith("tcp://"):
+            raise ValueError(f"env {var}={raw!r} looks like a Kubernetes service link for a Service named "
+                             "'specserve'; set enableServiceLinks: false in the pod spec or SPECSERVE_PORT explicitly")
         name = var[len(ENV_PREFIX):].lower()
         if name not in fields:
             valid = ", ".join(ENV_PREFIX + f.upper() for f in fields)

@@ -199,3 +199,15 @@ def test_invalid_choices_from_env_and_yaml_are_rejected_by_the_schema(tmp_path, 
         build_config(None, {f"SPECSERVE_{field.upper()}": value})
     with pytest.raises(ValueError, match=f"^{field}:"):
         build_config(parse("--config", write(tmp_path, f"{field}: {value}\n")), {})
+
+
+def test_kubernetes_service_link_variables_are_ignored_or_explained():
+    from config.loader import build_config
+
+    env = {"SPECSERVE_SERVICE_HOST": "10.0.0.1", "SPECSERVE_SERVICE_PORT": "8000",
+           "SPECSERVE_PORT_8000_TCP": "tcp://10.0.0.1:8000", "SPECSERVE_PORT_8000_TCP_ADDR": "10.0.0.1"}
+    assert build_config(None, env).server.port == 8000
+    import pytest
+
+    with pytest.raises(ValueError, match="enableServiceLinks"):
+        build_config(None, env | {"SPECSERVE_PORT": "tcp://10.0.0.1:8000"})
