@@ -78,9 +78,22 @@ def bundled_model_paths() -> tuple[Path, Path]:
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
-    """A modest default: min(4 GiB, RAM / 4) on CPU; half of the free memory on CUDA."""
+    """A modest default: min(4 GiB, RAM / 4) on CPU (RAM = the container's limit when there is one); half of the
+    free memory on CUDA."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free // 2
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(4 << 30, ram // 4)
+    return min(4 << 30, min(ram, _cgroup_memory_limit() or ram) // 4)
+
+
+def _cgroup_memory_limit() -> int | None:
+    """A container's memory limit (cgroup v2, then v1), so the default fits inside the container, not the node."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            return int(text)
+    return None
