@@ -40,7 +40,7 @@ class SamplingTensors:
         use_pen = penalties and any(p.has_penalties for p in rows)
         return SamplingTensors(
             temperature=t([p.temperature for p in rows]),
-            top_k=t([p.top_k for p in rows], torch.long),
+            top_k=t([min(p.top_k, 1 << 31) for p in rows], torch.long),  # any k >= vocab means "off" anyway
             top_p=t([p.top_p for p in rows]),
             min_p=t([p.min_p for p in rows]),
             greedy=t([p.greedy for p in rows], torch.bool),
