@@ -9,8 +9,9 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -38,7 +39,6 @@ class TrainConfig:
     ckpt_every_minutes: float = 5.0
     log_every: int = 10
     eval_batches: int = 8
-    extra: dict = field(default_factory=dict)
 
 
 def default_ckpt_dir(kind: str, out: str | Path) -> Path:
@@ -152,7 +152,10 @@ def run_loop(model, loss_fn: Callable[[torch.Tensor], torch.Tensor], tokens: tor
 
     def on_signal(signum, _frame):
         stop["signal"] = signum
-    old_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # Python only lets the main thread install handlers; elsewhere (a server worker) just run.
+    in_main = threading.current_thread() is threading.main_thread()
+    signals = (signal.SIGTERM, signal.SIGINT) if in_main else ()
+    old_handlers = {s: signal.signal(s, on_signal) for s in signals}
 
     budget_s = cfg.max_minutes * 60 if cfg.max_minutes else math.inf
     model.train()

@@ -76,7 +76,8 @@ def test_draft_is_distilled_and_shares_the_tokenizer(trained):
     target = AutoModelForCausalLM.from_pretrained(root / "target")
     assert draft.config.vocab_size == target.config.vocab_size
     assert draft.config.num_hidden_layers == 1
-    assert (root / "draft" / "tokenizer.json").read_bytes() == (root / "target" / "tokenizer.json").read_bytes()
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (root / "draft" / name).read_bytes() == (root / "target" / name).read_bytes()
     assert AutoTokenizer.from_pretrained(root / "draft").eos_token_id == target.config.eos_token_id
     assert summary["embedding_init"] == "projected"
     assert summary["last_train_loss"] < summary["first_train_loss"]
