@@ -132,8 +132,8 @@ def test_builder_sources_build_a_wheel_with_every_package_file(tmp_path):
         import setuptools
     except ImportError:
         pytest.skip("setuptools is not in this venv: cannot build the wheel offline (--no-build-isolation)")
-    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (68, 0):
-        pytest.skip(f"setuptools {setuptools.__version__} < 68 (pyproject's build requirement)")
+    if tuple(int(x) for x in setuptools.__version__.split(".")[:2]) < (77, 0):
+        pytest.skip(f"setuptools {setuptools.__version__} < 77 (pyproject's build requirement)")
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
