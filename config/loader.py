@@ -53,6 +53,7 @@ HELP: dict[str, tuple[str, str | None]] = {
     "cors_allow_origins": ("comma-separated origins allowed by CORS ('*' for any)", "CORS off"),
     "max_request_bytes": ("largest request body; larger ones get HTTP 413; accepts sizes like 4MiB", None),
     "request_timeout": ("seconds a request may run before it ends with an error (HTTP 504)", "no limit"),
+    "log_prompts": ("include prompt and completion text in the per-request log line", None),
 }
 SIZE_FIELDS = frozenset({"kv_cache_memory", "max_request_bytes"})
 

@@ -63,6 +63,7 @@ class ServerConfig:
     cors_allow_origins: str | None = None  # comma-separated origins ("*" for any); None: CORS off
     max_request_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     request_timeout: float | None = None  # seconds a request may take; then it ends with an error (504)
+    log_prompts: bool = False  # put prompt and completion text in the request log lines (off: never)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

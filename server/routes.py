@@ -52,20 +52,23 @@ async def list_models(request: Request):
                                          "created": now(), "owned_by": "specserve"}]}
 
 
-def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int):
+def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int, prompt):
     started, request_id = time.monotonic(), request.state.request_id
-    return lambda outs, status: log_finished(request_id, rid, endpoint, started, num_prompt_tokens, outs, status)
+    prompt = prompt if request.app.state.config.server.log_prompts else None
+    return lambda outs, status: log_finished(request_id, rid, endpoint, started, num_prompt_tokens, outs, status,
+                                             prompt)
 
 
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ready(request)
     check_model(ctx, body.model)
-    ids = ctx.tokenizer(render_chat_prompt(ctx.tokenizer, body), add_special_tokens=False)["input_ids"]
+    prompt = render_chat_prompt(ctx.tokenizer, body)
+    ids = ctx.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i)) for i in range(body.n)]
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
-    done = _logger(request, rid, "chat", len(ids))
+    done = _logger(request, rid, "chat", len(ids), prompt)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return chat_stream(ctx, rid, streams, len(ids), include_usage, done)
@@ -89,7 +92,7 @@ async def completions(body: CompletionRequest, request: Request):
     rid = new_id("cmpl")
     streams = submit_all(ctx, jobs, rid, param="prompt")
     num_prompt_tokens = sum(len(p) for p in ids)
-    done = _logger(request, rid, "completions", num_prompt_tokens)
+    done = _logger(request, rid, "completions", num_prompt_tokens, prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return completion_stream(ctx, rid, streams, texts, body.n, body.echo, num_prompt_tokens, include_usage,

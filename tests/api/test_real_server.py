@@ -133,3 +133,13 @@ def test_json_request_log_and_request_id(tiny):
     assert entry["request_id"] == "trace-42" and entry["completion_tokens"] == 4 and entry["status"] == "ok"
     assert {"prompt_tokens", "draft_tokens", "accepted_tokens", "acceptance_rate", "latency_s"} <= set(entry)
     assert all(secret not in json.dumps(x) for x in lines)
+
+
+def test_prompt_text_in_logs_only_when_asked(tiny):
+    s = Server(tiny, "--log-format", "json", "--log-level", "info", "--log-prompts")
+    httpx.post(s.url + "/v1/completions", timeout=60, json={"model": "tiny", "prompt": "visible prompt",
+                                                            "max_tokens": 3, "ignore_eos": True})
+    assert s.stop() == 0
+    lines = [json.loads(line) for line in s.proc.stdout.read().splitlines() if line.startswith("{")]
+    entry = next(x for x in lines if x.get("message") == "request finished")
+    assert entry["prompt"] == ["visible prompt"] and len(entry["completions"]) == 1
