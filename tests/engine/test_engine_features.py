@@ -195,3 +195,15 @@ def test_slow_reader_gets_merged_outputs_not_a_growing_queue(tiny):
     assert len(rest) == 1 and rest[0].finished  # everything after the first read arrived merged
     assert first.delta_token_ids + rest[0].delta_token_ids == rest[0].output_token_ids
     assert first.delta_text + rest[0].delta_text == rest[0].text
+
+
+def test_max_num_seqs_is_respected_every_step(tiny):
+    core = make_core(tiny["llama"], tiny["llama_draft"], k=2, max_num_seqs=3)
+    for i in range(8):
+        core.add_request(core.make_request(f"m{i}", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)))
+    finished, peak = 0, 0
+    while core.has_unfinished():
+        finished += sum(o.finished for o in core.step())
+        peak = max(peak, core.last_step.num_running)
+        assert core.last_step.num_running <= 3
+    assert finished == 8 and peak == 3
