@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import platform
-import random
 import shlex
 import signal
 import socket
@@ -31,32 +30,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from bench.soak_load import Stats, worker
+from bench.soak_report import RSS_FLAT_RATIO, failures_of, kv_summary, percentiles, rss_summary, summary_table
+
 HOST = "127.0.0.1"  # the only address this script ever talks to
 GAUGES = {"kv": "specserve_kv_cache_usage_ratio", "running": "specserve_num_requests_running",
           "waiting": "specserve_num_requests_waiting"}
-RSS_FLAT_RATIO = 1.10
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "The quick brown fox jumps over the lazy dog. Speculative decoding",
-    "class Stack:\n    \"\"\"A last-in, first-out container.\"\"\"\n\n    def __init__(self):\n",
-    "Once upon a time, in a small village by the sea,",
-    "# Parse a CSV file and return a list of dictionaries\nimport csv\n\n",
-    "for i in range(10):\n    if i % 2 == 0:\n",
-    "Ünïcödé text: café, naïve, 東京, 😀 and ∑ symbols",
-]
-# kind -> weight in the mix
-MIX = {"chat_stream": 35, "completion": 30, "disconnect": 15, "bad_temperature": 7, "unknown_field": 7,
-       "malformed_json": 6}
-INVALID_KINDS = frozenset({"bad_temperature", "unknown_field", "malformed_json"})
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, required=True, help="duration of the load phase")
@@ -215,138 +198,6 @@ async def wait_healthy(server: ServerProcess, client: httpx.AsyncClient, timeout
     return f"/health not 200 after {timeout:.0f} s (last: {last})"
 
 
-# -- the load -------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Stats:
-    outcomes: Counter = field(default_factory=Counter)  # outcome -> count
-    by_kind: dict = field(default_factory=lambda: defaultdict(Counter))  # kind -> outcome -> count
-    latency: dict = field(default_factory=lambda: defaultdict(list))  # kind -> seconds of ok requests
-    ttft: list = field(default_factory=list)  # seconds to the first text of ok / dropped streams
-    completion_tokens: int = 0
-    examples: dict = field(default_factory=dict)  # outcome -> its first occurrence (kind, detail), ok excepted
-
-    def record(self, kind: str, outcome: str, detail: str | None = None) -> None:
-        self.outcomes[outcome] += 1
-        self.by_kind[kind][outcome] += 1
-        if detail and outcome not in self.examples and outcome not in ("ok", "disconnect"):
-            self.examples[outcome] = {"kind": kind, "detail": detail[:500]}
-
-
-def _status_outcome(kind: str, status: int) -> str:
-    if kind in INVALID_KINDS:
-        if status >= 500:
-            return f"5xx_invalid:{status}"
-        return f"4xx:{status}" if status >= 400 else f"invalid_accepted:{status}"
-    if status >= 500:
-        return f"5xx:{status}"
-    return f"4xx:{status}" if status >= 400 else "ok"
-
-
-def _body(kind: str, model: str, rng: random.Random, max_tokens: int) -> tuple[str, dict | bytes]:
-    prompt = rng.choice(PROMPTS)
-    sampling = {"max_tokens": rng.randint(4, max_tokens), "temperature": rng.choice([0.0, 0.7, 1.0])}
-    if rng.random() < 0.3:
-        sampling["seed"] = rng.randrange(1 << 31)
-    chat = {"model": model, "messages": [{"role": "user", "content": prompt}]} | sampling
-    if kind == "chat_stream":
-        return "/v1/chat/completions", chat | {"stream": True, "stream_options": {"include_usage": True}}
-    if kind == "completion":
-        return "/v1/completions", {"model": model, "prompt": prompt} | sampling
-    if kind == "disconnect":
-        if rng.random() < 0.5:
-            return "/v1/chat/completions", chat | {"stream": True, "ignore_eos": True}
-        return "/v1/completions", {"model": model, "prompt": prompt, "stream": True, "ignore_eos": True} | sampling
-    if kind == "bad_temperature":
-        return "/v1/chat/completions", chat | {"temperature": rng.choice([-0.5, 2.5, 100.0])}
-    if kind == "unknown_field":
-        return "/v1/completions", {"model": model, "prompt": prompt, "frobnicate": True} | sampling
-    if kind == "malformed_json":
-        text = json.dumps(chat)
-        return "/v1/chat/completions", text[: rng.randint(1, len(text) - 1)].encode()
-    raise ValueError(kind)
-
-
-def _event_text(event: dict) -> str:
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    return (c.get("delta") or {}).get("content") or c.get("text") or ""
-
-
-async def one_request(client: httpx.AsyncClient, kind: str, model: str, rng: random.Random, stats: Stats,
-                      args: argparse.Namespace) -> None:
-    path, body = _body(kind, model, rng, args.max_tokens)
-    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) \
-        else {"json": body}
-    streamed = isinstance(body, dict) and body.get("stream")
-    # several tokens of one speculative step may arrive as one event: drop early enough to be mid-stream
-    drop_after = rng.randint(1, max(1, body["max_tokens"] // 4)) if kind == "disconnect" else None
-    start = time.monotonic()
-    try:
-        async with asyncio.timeout(args.hung_timeout):
-            if not streamed:
-                r = await client.post(path, **kw)
-                outcome = _status_outcome(kind, r.status_code)
-                stats.record(kind, outcome, f"{r.status_code} {r.text[:300]}")
-                if outcome == "ok":
-                    stats.latency[kind].append(time.monotonic() - start)
-                    stats.completion_tokens += r.json().get("usage", {}).get("completion_tokens", 0)
-                return
-            async with client.stream("POST", path, **kw) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    stats.record(kind, _status_outcome(kind, r.status_code), f"{r.status_code} {r.text[:300]}")
-                    return
-                events, first_text, done, error, usage = 0, None, False, None, None
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        error = json.dumps(event)
-                        continue
-                    usage = event.get("usage") or usage
-                    if first_text is None and _event_text(event):
-                        first_text = time.monotonic() - start
-                    events += 1
-                    if drop_after is not None and events >= drop_after:
-                        break  # leaving the block closes the connection mid-stream: the server must abort
-                if first_text is not None:
-                    stats.ttft.append(first_text)
-                if error is not None:
-                    stats.record(kind, "stream_error", error)
-                elif drop_after is not None and not done:
-                    stats.record(kind, "disconnect")
-                elif not done:
-                    stats.record(kind, "stream_truncated", f"{events} events, no [DONE]")
-                else:
-                    stats.record(kind, "ok")
-                    stats.latency[kind].append(time.monotonic() - start)
-                    if usage:
-                        stats.completion_tokens += usage.get("completion_tokens", 0)
-    except TimeoutError:
-        stats.record(kind, "hung", f"{path} no complete response after {args.hung_timeout:g} s")
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        stats.record(kind, "transport_error", f"{path} {exc!r}")
-
-
-async def worker(i: int, server: ServerProcess, client: httpx.AsyncClient, model: str, stats: Stats,
-                 deadline: float, args: argparse.Namespace) -> None:
-    rng = random.Random(args.seed * 1000 + i)
-    kinds, weights = list(MIX), list(MIX.values())
-    while time.monotonic() < deadline and server.proc.poll() is None:  # a dead server ends the load early
-        errors = stats.outcomes["transport_error"]
-        await one_request(client, rng.choices(kinds, weights)[0], model, rng, stats, args)
-        if stats.outcomes["transport_error"] > errors:
-            await asyncio.sleep(0.1)  # no tight loop against a server that refuses connections
-
-
 async def sampler(server: ServerProcess, client: httpx.AsyncClient, t0: float, samples: list, stop: asyncio.Event,
                   interval: float) -> None:
     while True:
@@ -378,89 +229,6 @@ async def wait_idle(client: httpx.AsyncClient, timeout: float) -> dict:
         if time.monotonic() >= deadline:
             return gauges | {"idle": False}
         await asyncio.sleep(0.5)
-
-
-# -- report ---------------------------------------------------------------------------------------------------------
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0, "p50": None, "p95": None, "p99": None}
-    xs = sorted(values)
-
-    def q(p):  # linear interpolation between closest ranks
-        pos = (len(xs) - 1) * p
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 4)
-
-    return {"n": len(xs), "p50": q(0.50), "p95": q(0.95), "p99": q(0.99), "max": round(xs[-1], 4)}
-
-
-def rss_summary(samples: list[dict], warmup_s: float) -> dict:
-    points = [(s["t"], s["rss_mb"]) for s in samples if s.get("rss_mb") is not None]
-    if not points:
-        return {"first_mb": None}
-    after = [rss for t, rss in points if t >= warmup_s] or [points[-1][1]]
-    post_warmup, last = after[0], points[-1][1]
-    return {"first_mb": round(points[0][1], 1), "after_warmup_mb": round(post_warmup, 1),
-            "max_mb": round(max(r for _, r in points), 1), "last_mb": round(last, 1),
-            "last_over_warmup": round(last / post_warmup, 3), "flat": last <= RSS_FLAT_RATIO * post_warmup,
-            "warmup_s": round(warmup_s, 1)}
-
-
-def kv_summary(samples: list[dict]) -> dict:
-    kv = [s["kv"] for s in samples if "kv" in s]
-    if not kv:
-        return {"max": None}
-    return {"max": round(max(kv), 4), "mean": round(sum(kv) / len(kv), 4), "last_sample": kv[-1],
-            "max_running": max((s.get("running", 0) for s in samples), default=0),
-            "max_waiting": max((s.get("waiting", 0) for s in samples), default=0)}
-
-
-def failures_of(report: dict, strict_rss: bool) -> list[str]:
-    out = []
-    o = report["requests"]["by_outcome"]
-    for key, n in sorted(o.items()):
-        if key.startswith(("5xx:", "5xx_invalid:", "invalid_accepted:")) or key in (
-                "hung", "stream_error", "stream_truncated", "transport_error"):
-            out.append(f"{n} request(s) with outcome {key}")
-    final = report["final_gauges"]
-    if not final.get("idle"):
-        out.append(f"the server did not go idle with an empty KV cache: {final}")
-    if report["server"].get("exited_during_load") is not None:
-        out.append(f"the server exited with {report['server']['exited_during_load']} during the load")
-    if report["server"]["exit_code"] != 0:
-        out.append(f"server exit code {report['server']['exit_code']} after SIGTERM (None: killed)")
-    if strict_rss and report["rss"].get("flat") is False:
-        out.append(f"RSS grew after warm-up: {report['rss']}")
-    return out
-
-
-def summary_table(report: dict) -> str:
-    lines = ["", f"## soak: {report['config']['minutes']} min x {report['config']['concurrency']} workers, "
-                 f"model {report['model']}", "", "| outcome | count |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in sorted(report["requests"]["by_outcome"].items())]
-    lines += ["", "| kind | " + " | ".join(sorted(report["requests"]["by_outcome"])) + " |",
-              "|---|" + "---|" * len(report["requests"]["by_outcome"])]
-    for kind, counts in sorted(report["requests"]["by_kind"].items()):
-        lines.append(f"| {kind} | " + " | ".join(str(counts.get(k, 0)) for k in
-                                                 sorted(report["requests"]["by_outcome"])) + " |")
-    lines += ["", "| latency (s) | n | p50 | p95 | p99 |", "|---|---|---|---|---|"]
-    for name, p in [*report["latency_s"].items(), ("ttft (streams)", report["ttft_s"])]:
-        lines.append(f"| {name} | {p['n']} | {p['p50']} | {p['p95']} | {p['p99']} |")
-    t, rss, kv = report["throughput"], report["rss"], report["kv"]
-    lines += ["", f"throughput: {t['completion_tokens']} completion tokens in {t['load_seconds']} s = "
-                  f"{t['tokens_per_s']} tok/s, {t['requests_per_s']} req/s",
-              f"RSS MiB: first {rss.get('first_mb')}, after warm-up {rss.get('after_warmup_mb')}, "
-              f"max {rss.get('max_mb')}, last {rss.get('last_mb')} -> flat: {rss.get('flat')}",
-              f"KV usage: max {kv.get('max')}, mean {kv.get('mean')}; max running {kv.get('max_running')}, "
-              f"max waiting {kv.get('max_waiting')}",
-              f"server counters: {report['server_counters']}",
-              f"after the load: {report['final_gauges']} (idle after {report['idle_wait_s']} s)",
-              f"server: exit code {report['server']['exit_code']} after SIGTERM in "
-              f"{report['server']['shutdown_s']} s; log {report['server']['log']}",
-              "", "RESULT: " + ("PASS" if report["passed"] else "FAIL: " + "; ".join(report["failures"]))]
-    return "\n".join(lines)
 
 
 async def run(args: argparse.Namespace, server: ServerProcess) -> dict:
