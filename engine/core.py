@@ -23,7 +23,7 @@ from engine.loader import (bundled_model_paths, check_draft_compatible, check_mo
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler, requested_k
 from engine.spec.draft_model import DraftModelProposer
 from engine.stats import EngineTotals, StepStats
 from engine.verifier import verify
@@ -121,8 +121,7 @@ class EngineCore:
         if self.allocator.blocks_for(need) > self.allocator.num_blocks:
             raise RequestTooLongError(f"the request needs up to {need} tokens of KV cache but kv_cache_memory holds "
                                       f"{self.allocator.num_blocks * self.allocator.block_size}", param="max_tokens")
-        want = params.num_speculative_tokens
-        k = self.num_speculative_tokens if want is None else min(want, self.num_speculative_tokens)
+        k = requested_k(params.num_speculative_tokens, self.num_speculative_tokens)
         method = self.method if k > 0 else "none"
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        self.eos_token_ids, max_tokens, method, self.device)

@@ -12,6 +12,11 @@ from engine.kv_cache import BlockAllocator
 from engine.request import Request, RequestStatus
 
 
+def requested_k(want: int | None, engine_k: int) -> int:
+    """A request's k before per-step limits: its own (capped at the engine's), or the engine's when unset."""
+    return engine_k if want is None else min(want, engine_k)
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     request: Request
@@ -47,8 +52,7 @@ class Scheduler:
     def choose_k(self, req: Request, token_budget: int) -> int:
         """k for this step: the request's own k, bounded by the engine's, the tokens it may still emit (a step
         emits up to k + 1), the model length and the step's token budget."""
-        want = req.params.num_speculative_tokens
-        k = self.num_speculative_tokens if want is None else min(want, self.num_speculative_tokens)
+        k = requested_k(req.params.num_speculative_tokens, self.num_speculative_tokens)
         remaining = req.max_tokens - req.num_output_tokens
         return max(0, min(k, remaining - 1, self.max_model_len - len(req.token_ids), token_budget - 1))
 

@@ -84,13 +84,12 @@ async def completions(body: CompletionRequest, request: Request):
     ctx = _ready(request)
     check_model(ctx, body.model)
     prompts = body.prompts()
-    # token-id prompts are range-checked before anything decodes them (a bad id is a 400, never a 500)
-    ids = [ctx.tokenizer(p)["input_ids"] if isinstance(p, str) else ctx.engine.core.tokenize(p) for p in prompts]
-    texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if body.echo else "" for p in prompts]
+    ids = [ctx.tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
     jobs = [(p, body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i))
             for p in ids for i in range(body.n)]
     rid = new_id("cmpl")
-    streams = submit_all(ctx, jobs, rid, param="prompt")
+    streams = submit_all(ctx, jobs, rid, param="prompt")  # range-checks token ids: a bad id is a 400
+    texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if body.echo else "" for p in prompts]
     num_prompt_tokens = sum(len(p) for p in ids)
     done = _logger(request, rid, "completions", num_prompt_tokens, prompts)
     if body.stream:
