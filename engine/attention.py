@@ -1,9 +1,10 @@
-"""Ragged-batch attention over the engine's paged KV cache, plugged into HF models via transformers'
-AttentionInterface. The per-forward metadata travels in the forward's kwargs (registration is process-global)."""
+"""Ragged-batch attention over the engine's paged KV cache, plugged into HF models via transformers' AttentionInterface.
+Exact for causal softmax with per-layer sliding windows or chunks (recorded at load by engine.model_support), logit
+soft-capping and attention sinks; the per-forward metadata travels in the forward's kwargs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,14 @@ from transformers import AttentionInterface
 from engine.kv_cache import KVPool
 
 ATTN_IMPLEMENTATION = "specserve_paged"
+PATTERN_ATTR = "specserve_pattern"  # set on each attention module at load: None, ("window", w) or ("chunk", c)
+_UNSET = object()
+
+# kwargs transformers passes that do not change the result here (eval mode, one packed row, no HF cache)
+_NEUTRAL_KWARGS = {"dropout", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                   "cu_seqlens", "use_cache", "cache", "output_attentions", "is_causal"}
+# other kwargs are flags travelling down the forward (output_router_logits, ...) unless a tensor or named like these
+_SEMANTIC_WORDS = ("window", "chunk", "cap", "sink", "bias", "mask", "indices", "scale", "alibi", "block")
 
 
 @dataclass(frozen=True)
@@ -24,14 +33,60 @@ class SeqChunk:
 
 
 @dataclass(frozen=True)
+class KeyView:
+    """The key slots one attention pattern reads, and which of them each query sees."""
+
+    slots: torch.Tensor  # [B, L] flat pool slot of each key (the null block's where the query may not look)
+    mask: torch.Tensor  # [B, 1, Qmax, L] bool, True = attend
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     kv: KVPool
-    write_blocks: torch.Tensor  # [T] block of each new token
-    write_offsets: torch.Tensor  # [T] offset inside that block
-    gather_blocks: torch.Tensor  # [B, nb] blocks of each sequence (padded with block 0, masked out)
+    write_slots: torch.Tensor  # [T] flat pool slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [B, nb] blocks of each sequence, padded with the null block
+    starts: torch.Tensor  # [B] position of each sequence's first new token
     query_index: torch.Tensor  # [B, Qmax] token index of each (sequence, query slot); padding repeats a real token
-    mask: torch.Tensor  # [B, 1, Qmax, nb * block_size] bool, True = attend (causal within each sequence)
+    query_pos: torch.Tensor  # [B, Qmax] position of each query slot; padding rows repeat the first (never all-masked)
     output_index: torch.Tensor  # [T] row of each token in the flattened [B * Qmax] output
+    max_context: int  # longest start + num_new
+    views: dict = field(default_factory=dict, compare=False)  # pattern -> KeyView, built once per forward
+    layers_seen: set = field(default_factory=set, compare=False)  # each layer writes its K/V once per forward
+
+    def key_view(self, pattern: tuple[str, int] | None) -> KeyView:
+        """Slots and mask for `pattern`: None (causal), ("window", w) or ("chunk", c); built on first use, so a
+        forward builds one mask per distinct pattern, not one per layer."""
+        kind, size = pattern or ("causal", 0)
+        if kind == "window" and size >= self.max_context:  # the window cannot cut anything in this forward
+            kind, size = "causal", 0
+        key = (kind, size)
+        if key not in self.views:
+            self.views[key] = self._build_view(kind, size)
+        return self.views[key]
+
+    def _build_view(self, kind: str, size: int) -> KeyView:
+        q_max = self.query_pos.shape[1]
+        if kind == "causal":
+            first, length = torch.zeros_like(self.starts), self.max_context
+        elif kind == "window":  # keys (p - size, p] of the query at position p
+            first, length = (self.starts - size + 1).clamp(min=0), min(self.max_context, q_max + size - 1)
+        elif kind == "chunk":  # keys of p's chunk [p // size * size, p]
+            first, length = self.starts // size * size, min(self.max_context, q_max + size - 1)
+        else:
+            raise ValueError(f"unknown attention pattern {kind!r}")
+        bs = self.kv.block_size
+        key_pos = first[:, None] + torch.arange(length, device=first.device)  # [B, L]
+        q_pos = self.query_pos[:, :, None]  # [B, Qmax, 1]
+        mask = key_pos[:, None, :] <= q_pos  # [B, Qmax, L] causal (so never past the sequence's length)
+        if kind == "window":
+            mask &= key_pos[:, None, :] > q_pos - size
+        elif kind == "chunk":
+            mask &= key_pos[:, None, :] // size == q_pos // size
+        seen = mask.any(dim=1)  # [B, L] slots some query of the sequence attends
+        block_col = (key_pos // bs).clamp(max=self.block_tables.shape[1] - 1)
+        blocks = self.block_tables.gather(1, block_col)  # [B, L]
+        slots = torch.where(seen, blocks * bs + key_pos % bs, self.kv.null_block * bs)
+        return KeyView(slots, mask[:, None])
 
 
 def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -42,8 +97,10 @@ def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> 
     batch, q_max = len(chunks), int(num_new.max())
     ctx_max = int((starts + num_new).max())
     nb = -(-ctx_max // bs)
-    tables = torch.zeros(batch, nb, dtype=torch.long)
+    tables = torch.full((batch, nb), kv.null_block, dtype=torch.long)
     for b, c in enumerate(chunks):
+        if len(c.block_table) * bs < c.start + c.num_new:
+            raise RuntimeError(f"sequence {b}: {len(c.block_table)} blocks cannot hold {c.start + c.num_new} tokens")
         blocks = c.block_table[:nb]
         tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
     seq_of_token = torch.repeat_interleave(torch.arange(batch), num_new)  # [T]
@@ -54,39 +111,97 @@ def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> 
     real = j < num_new[:, None]  # [B, Qmax]
     query_index = torch.where(real, first_token[:, None] + j, first_token[:, None])
     q_pos = torch.where(real, starts[:, None] + j, starts[:, None])  # padding rows see a real prefix: no NaN
-    key_pos = torch.arange(nb * bs)
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, Qmax, L]
     md = AttentionMetadata(
         kv=kv,
-        write_blocks=tables[seq_of_token, positions // bs].to(device),
-        write_offsets=(positions % bs).to(device),
-        gather_blocks=tables.to(device),
+        write_slots=(tables[seq_of_token, positions // bs] * bs + positions % bs).to(device),
+        block_tables=tables.to(device),
+        starts=starts.to(device),
         query_index=query_index.to(device),
-        mask=mask.to(device),
+        query_pos=q_pos.to(device),
         output_index=(seq_of_token * q_max + slot).to(device),
+        max_context=ctx_max,
     )
     return md, positions.to(device)
 
 
+def _check_call(module, query, key, value, attention_mask, kwargs: dict) -> None:
+    """Refuse (never ignore) what this attention does not implement."""
+    if attention_mask is not None:
+        raise NotImplementedError(f"{type(module).__name__}: a custom attention mask or bias is not supported")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise NotImplementedError(f"{type(module).__name__}: non-causal attention is not supported")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _NEUTRAL_KWARGS
+                     and (isinstance(v, torch.Tensor) or any(w in k for w in _SEMANTIC_WORDS)))
+    if unknown:
+        raise NotImplementedError(f"{type(module).__name__}: attention argument(s) {', '.join(unknown)} not supported")
+    if key.shape[-1] != value.shape[-1] or query.shape[-1] != key.shape[-1]:
+        raise NotImplementedError(f"{type(module).__name__}: query/key/value head sizes differ "
+                                  f"({query.shape[-1]}/{key.shape[-1]}/{value.shape[-1]})")
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    specserve_metadata: AttentionMetadata | None = None, **kwargs):
+                    specserve_metadata: AttentionMetadata | None = None, softcap=None, s_aux=None, **kwargs):
     """query [1, H, T, D], key/value [1, H_kv, T, D] for the new tokens only -> ([1, T, H, D], None)."""
     md = specserve_metadata
     if md is None:
-        raise RuntimeError("specserve attention called without specserve_metadata")
-    k_cache, v_cache = md.kv.key[module.layer_idx], md.kv.value[module.layer_idx]
-    k_cache[md.write_blocks, md.write_offsets] = key[0].transpose(0, 1).to(k_cache.dtype)  # [T, H_kv, D]
-    v_cache[md.write_blocks, md.write_offsets] = value[0].transpose(0, 1).to(v_cache.dtype)
-    batch, nb = md.gather_blocks.shape
+        raise RuntimeError(f"{type(module).__name__} called without specserve_metadata: the model does not pass "
+                           "the forward's kwargs down to its attention")
+    pattern = getattr(module, PATTERN_ATTR, _UNSET)
+    if pattern is _UNSET:
+        raise RuntimeError(f"{type(module).__name__}: no attention pattern recorded; load the model with "
+                           "engine.loader.load_model (engine.model_support.check_supported records it)")
+    kwargs.pop("sliding_window", None)  # the pattern comes from the mask HF builds, which is what eager/SDPA apply
+    _check_call(module, query, key, value, attention_mask, kwargs)
+    if module.layer_idx in md.layers_seen:
+        raise NotImplementedError(f"{type(module).__name__}: attention of layer {module.layer_idx} runs more than "
+                                  "once per forward (several attentions or K/V shared per layer)")
+    md.layers_seen.add(module.layer_idx)
+    k_store, v_store = md.kv.key_store[module.layer_idx], md.kv.value_store[module.layer_idx]
     _, kv_heads, _, head_dim = key.shape
-    k = k_cache[md.gather_blocks].view(batch, -1, kv_heads, head_dim).transpose(1, 2)  # [B, H_kv, L, D]
-    v = v_cache[md.gather_blocks].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    if k_store.shape[2:] != (kv_heads, head_dim):
+        raise RuntimeError(f"layer {module.layer_idx}: K/V of {kv_heads} heads x {head_dim} do not fit the KV pool's "
+                           f"{tuple(k_store.shape[2:])}")
+    row = kv_heads * head_dim
+    k_rows, v_rows = k_store.view(-1, row), v_store.view(-1, row)  # [slots, H_kv * D]: one row per token slot
+    k_rows.index_copy_(0, md.write_slots, key[0].transpose(0, 1).reshape(-1, row).to(k_rows.dtype))  # [T] rows
+    v_rows.index_copy_(0, md.write_slots, value[0].transpose(0, 1).reshape(-1, row).to(v_rows.dtype))
+    view = md.key_view(pattern)
+    batch, length = view.slots.shape
     q = query[0].transpose(0, 1)[md.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    k = k_rows.index_select(0, view.slots.view(-1)).view(batch, length, kv_heads, head_dim)  # [B, L, H_kv, D]
+    v = v_rows.index_select(0, view.slots.view(-1)).view(batch, length, kv_heads, head_dim)
+    k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [B, H_kv, L, D]
     heads = q.shape[1]
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=md.mask, scale=scaling,
-                                         enable_gqa=heads != kv_heads)  # [B, H, Qmax, D]
+    if softcap is None and s_aux is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=view.mask, scale=scaling,
+                                             enable_gqa=heads != kv_heads)  # [B, H, Qmax, D]
+    else:
+        out = _manual_attention(q, k, v, view.mask, scaling if scaling is not None else head_dim ** -0.5, softcap,
+                                s_aux)
     out = out.transpose(1, 2).reshape(-1, heads, head_dim)[md.output_index]  # [T, H, D]
     return out[None], None
+
+
+def _manual_attention(q, k, v, mask, scaling: float, softcap: float | None, sinks: torch.Tensor | None):
+    """Softmax attention with tanh soft-capped logits and/or a per-head sink logit (gpt-oss), as HF's eager path:
+    q [B, H, Q, D], k/v [B, H_kv, L, D], mask [B, 1, Q, L] -> [B, H, Q, D]."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads  # query head h reads K/V head h // group
+    qg = q.reshape(batch, kv_heads, group * q_len, head_dim)  # [B, H_kv, G * Q, D]
+    scores = (qg @ k.transpose(2, 3)).view(batch, heads, q_len, -1) * scaling  # [B, H, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+        scores = torch.cat([scores, sink], dim=-1)  # [B, H, Q, L + 1]
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink takes probability mass and contributes no value
+    out = probs.reshape(batch, kv_heads, group * q_len, -1) @ v  # [B, H_kv, G * Q, D]
+    return out.view(batch, heads, q_len, head_dim)
 
 
 def register_attention() -> None:

@@ -1,7 +1,8 @@
 """Engine-owned paged KV cache: a block allocator shared by target and draft, and one preallocated pool per model.
 
 A sequence's blocks are listed in its block table; rolling back rejected tokens only lowers its computed length
-(the stale entries are overwritten later), so rollback is O(1) and never copies tensors.
+(the stale entries are overwritten later), so rollback is O(1) and never copies tensors. Stale entries are never
+read either: attention gathers them as the pool's null block (see KVPool).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import torch
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of an HF decoder config (Llama- and GPT-2-style names)."""
+    """(num_layers, num_kv_heads, head_dim) of an HF decoder config (Llama- and GPT-2-style names; multi-query)."""
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = 1 if getattr(config, "multi_query", False) else getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return layers, kv_heads, head_dim
 
@@ -59,15 +60,39 @@ class BlockAllocator:
 
 @dataclass
 class KVPool:
-    """Per-layer key and value tensors, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer key and value storage, each [num_blocks + 1, block_size, num_kv_heads, head_dim].
 
-    key: list[torch.Tensor]
-    value: list[torch.Tensor]
+    Blocks 0 .. num_blocks - 1 are the allocator's; the extra last one is the null block: all zeros, never
+    allocated and never written. Attention reads every key slot it must not see (block-table padding, a sequence's
+    positions past its length: stale entries of a previous owner or of rolled-back drafts) from the null block
+    instead of from the slot itself, so whatever a freed block holds (even NaN or inf) cannot reach an output; this
+    costs one block per pool and no work on allocation, free or rollback (which stays O(1)), unlike zeroing blocks.
+    """
+
+    key_store: list[torch.Tensor]
+    value_store: list[torch.Tensor]
     block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.key_store[0].shape[0] - 1 if self.key_store else 0
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def key(self) -> list[torch.Tensor]:
+        """The allocatable blocks of each layer: views [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return [t[:-1] for t in self.key_store]
+
+    @property
+    def value(self) -> list[torch.Tensor]:
+        return [t[:-1] for t in self.value_store]
 
     @staticmethod
     def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
         layers, kv_heads, head_dim = kv_geometry(config)
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_blocks + 1, block_size, kv_heads, head_dim)  # + the null block
         return KVPool([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
                       [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)], block_size)
