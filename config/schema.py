@@ -9,7 +9,7 @@ GiB = 1 << 30
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the bundled demo target
+    model: str | None = None  # HF directory, hub id or .gguf file; None: the demo target (SmolLM2 GGUF)
     draft_model: str | None = None  # None with model=None: the bundled demo draft
     speculative_method: str | None = None  # "draft" | "none"; None: "draft" when a draft model is given
     num_speculative_tokens: int = 4
@@ -23,6 +23,7 @@ class EngineConfig:
     block_size: int = 16
     seed: int | None = None  # seeds the engine's generator (requests without their own seed)
     trust_remote_code: bool = False  # let transformers run code shipped with a model (off unless the operator asks)
+    chat_template: str | None = None  # a Jinja file or inline template replacing the model's (vLLM's flag)
 
     def __post_init__(self) -> None:
         checks = [
@@ -54,7 +55,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # the Docker image sets 0.0.0.0
     port: int = 8000
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
-    served_model_name: str | None = None  # default: the model path's last component ("specserve-demo" for the pair)
+    served_model_name: str | None = None  # default: the model path's last component (SmolLM2-135M-Instruct for the demo)
     shutdown_timeout: float = 30.0  # seconds in-flight requests may finish after SIGTERM
     log_level: str = "info"
     log_format: str = "text"  # "text" | "json": one line per finished request either way

@@ -18,8 +18,9 @@ from config.schema import EngineConfig
 from engine.attention import SeqChunk
 from engine.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from engine.kv_cache import BlockAllocator, KVPool, kv_bytes_per_token
-from engine.loader import (bundled_model_paths, check_draft_compatible, check_model_path, default_kv_cache_memory, load_model,
-                           load_tokenizer, resolve_device, resolve_dtype)
+from engine.loader import (check_draft_compatible, check_model_path, default_kv_cache_memory, demo_model_paths,
+                           is_gguf, load_model, load_tokenizer, resolve_chat_template, resolve_device,
+                           resolve_dtype)
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ from engine.scheduler import ScheduledSeq, Scheduler, requested_k
 from engine.spec.draft_model import DraftModelProposer
 from engine.stats import EngineTotals, StepStats
 from engine.verifier import verify
+from engine.vocab_map import load_vocab_map
 
 log = logging.getLogger("specserve.engine")
 
@@ -43,12 +45,17 @@ class EngineCore:
         self.model_path = str(target_path)
         remote = config.trust_remote_code
         self.tokenizer = load_tokenizer(target_path, remote)
+        if config.chat_template:
+            self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
         target = load_model(target_path, self.dtype, self.device, remote)
         self.method = config.method
-        draft = load_model(draft_path, self.dtype, self.device, remote) if self.method == "draft" else None
-        if draft is not None:
-            check_draft_compatible(target_path, draft_path, self.tokenizer, target.config, draft.config)
+        draft = (load_model(draft_path, self.dtype, self.device, remote, field="draft_model")
+                 if self.method == "draft" else None)
         self.vocab_size = target.config.vocab_size
+        draft_map = None
+        if draft is not None:
+            draft_map = None if is_gguf(draft_path) else load_vocab_map(draft_path, self.vocab_size, self.device)
+            check_draft_compatible(target_path, draft_path, self.tokenizer, target.config, draft.config, draft_map)
         limits = [config.max_model_len, target.config.max_position_embeddings,
                   draft.config.max_position_embeddings if draft is not None else None]
         self.max_model_len = min(x for x in limits if x)
@@ -64,7 +71,8 @@ class EngineCore:
         self.proposer = None
         if draft is not None:
             kv = KVPool.allocate(draft.config, num_blocks, config.block_size, self.dtype, self.device)
-            self.proposer = DraftModelProposer(ModelRunner(draft, kv, self.device, self.vocab_size), self.device)
+            runner = ModelRunner(draft, kv, self.device, self.vocab_size, draft_map)
+            self.proposer = DraftModelProposer(runner, self.device)
         self.num_speculative_tokens = config.num_speculative_tokens if self.proposer else 0
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.num_speculative_tokens)
@@ -79,9 +87,7 @@ class EngineCore:
     def _model_paths(config: EngineConfig) -> tuple[Path | str, Path | str | None]:
         if config.model is not None:
             return config.model, config.draft_model
-        target, draft = bundled_model_paths()
-        if not target.exists():
-            raise FileNotFoundError(f"model: no model given and the bundled demo model is missing at {target}")
+        target, draft = demo_model_paths()
         return target, config.draft_model or draft
 
     def _eos_ids(self, model) -> set[int]:

@@ -14,6 +14,7 @@ from sse_starlette.sse import AppStatus
 
 from config.schema import AppConfig
 from engine.async_engine import AsyncEngine
+from engine.loader import DEMO_MODEL_NAME, is_gguf
 from server.auth import resolve_api_key
 from server.errors import BodyLimitMiddleware, install_error_handlers
 from server.metrics import Metrics
@@ -34,7 +35,10 @@ def package_version() -> str:
 def served_model_name(config: AppConfig) -> str:
     if config.server.served_model_name:
         return config.server.served_model_name
-    return Path(config.engine.model).name if config.engine.model else "specserve-demo"
+    if not config.engine.model:
+        return DEMO_MODEL_NAME
+    path = Path(config.engine.model)
+    return path.stem if is_gguf(path) else path.name
 
 
 async def _load(engine: AsyncEngine) -> None:

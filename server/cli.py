@@ -8,7 +8,8 @@ import sys
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target model: local HF directory or hub id (default: bundled demo target)")
+    p.add_argument("--model", help="target model: local HF directory, .gguf file or hub id (default: the demo "
+                                   "target SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (default: bundled demo draft)")
     p.add_argument("--speculative-method", choices=["draft", "none"], help="default: draft when a draft exists")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens verified per step")
@@ -17,6 +18,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int)
+    p.add_argument("--chat-template", help="Jinja file or inline template replacing the model's")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -24,7 +26,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, draft_model=args.draft_model, speculative_method=args.speculative_method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed)
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed,
+              chat_template=args.chat_template)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     out = llm.generate([args.prompt], params)[0]
@@ -37,6 +40,17 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_before_listening(engine) -> None:
+    """Mistakes a user can fix, said before the server listens (models load after it does): a missing demo
+    package, an unreadable chat template."""
+    from engine.loader import demo_model_paths, resolve_chat_template
+
+    if engine.model is None:
+        demo_model_paths()
+    if engine.chat_template:
+        resolve_chat_template(engine.chat_template)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import os
 
@@ -47,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     from server.request_log import configure_logging
 
     config = build_config(args, os.environ)
+    _check_before_listening(config.engine)
     configure_logging(config.server.log_level, config.server.log_format)
     app = create_app(config)
 

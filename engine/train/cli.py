@@ -53,13 +53,51 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                        help="draft embedding init: PCA projection of the target's, or random")
     draft.add_argument("--loss", choices=("fkl", "tvd"), default="fkl",
                        help="forward KL(target||draft) or total variation distance (DistillSpec)")
+    gen = kinds.add_parser("selfgen", help="self-distillation set: the target answers chat prompts on the engine")
+    gen.add_argument("--target", required=True, help="target model: HF directory or .gguf file")
+    gen.add_argument("--out", required=True, help="output directory (shards; a rerun resumes)")
+    gen.add_argument("--max-minutes", type=float, required=True, help="generation budget")
+    gen.add_argument("--max-tokens", type=int, default=192)
+    gen.add_argument("--top-k", type=int, default=20, help="log-probs kept per output position (<= 20)")
+    gen.add_argument("--batch", type=int, default=48, help="sequences decoded together")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--threads", type=int, default=None)
+    sd = kinds.add_parser("selfdistill", help="distil a draft on a selfgen set (the target's own answers)")
+    _add_common(sd, seq_len=512, lr=1e-3)
+    sd.add_argument("--target", required=True, help="target model: HF directory or .gguf file")
+    sd.add_argument("--data", required=True, help="directory written by `train selfgen`")
+    sd.add_argument("--draft-vocab", type=int, default=0,
+                    help="sub-vocabulary size (most frequent target tokens + a vocabulary map); 0 = full vocabulary")
+    sd.add_argument("--init-layers", default="",
+                    help="comma-separated target layers to initialise from (the draft then has the target's width)")
+    sd.add_argument("--init-draft", default=None,
+                    help="continue from an exported draft directory (its weights and vocabulary map)")
+    sd.add_argument("--freeze-embeddings", action="store_true",
+                    help="keep the (tied) embedding / LM head as initialised; train the body only")
+    sd.add_argument("--num-layers", type=int, default=1)
+    sd.add_argument("--hidden-size", type=int, default=256)
+    sd.add_argument("--intermediate-size", type=int, default=768)
+    sd.add_argument("--num-heads", type=int, default=4)
+    sd.add_argument("--num-kv-heads", type=int, default=4)
     train.set_defaults(func=run_train)
     return train
+
+
+def _run_selfgen(args: argparse.Namespace) -> dict:
+    import torch
+
+    from .selfgen import generate_set
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return generate_set(args.target, args.out, args.max_minutes, max_tokens=args.max_tokens, top_k=args.top_k,
+                        batch=args.batch, seed=args.seed)
 
 
 def run_train(args: argparse.Namespace) -> dict:
     from .loop import TrainConfig
 
+    if args.train_kind == "selfgen":
+        return _run_selfgen(args)
     cfg = TrainConfig(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=args.warmup_steps, seed=args.seed, max_minutes=args.max_minutes,
                       threads=args.threads, auto_threads=args.auto_threads,
@@ -71,6 +109,12 @@ def run_train(args: argparse.Namespace) -> dict:
         from .target import train_target
         return train_target(args.out, cfg, corpus=args.corpus, vocab_size=args.vocab_size,
                             model_kwargs=model_kwargs)
+    if args.train_kind == "selfdistill":
+        from .selfdistill import train_selfdistill
+        layers = [int(x) for x in args.init_layers.split(",") if x.strip()]
+        return train_selfdistill(args.target, args.data, args.out, cfg, draft_vocab=args.draft_vocab,
+                                 init_layers=layers, model_kwargs=model_kwargs, max_len=args.seq_len,
+                                 freeze_embeddings=args.freeze_embeddings, init_draft=args.init_draft)
     if args.train_kind == "draft":
         from .distill import train_draft
         return train_draft(args.target, args.out, cfg, corpus=args.corpus, model_kwargs=model_kwargs,

@@ -136,11 +136,12 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return ckpt
 
 
-def run_loop(model, loss_fn: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor,
-             heldout: list[torch.Tensor], cfg: TrainConfig, ckpt_dir: Path, desc: str) -> dict:
+def run_loop(model, loss_fn: Callable, tokens: torch.Tensor | Callable[[int], object],
+             heldout: list, cfg: TrainConfig, ckpt_dir: Path, desc: str) -> dict:
     """Train until `steps` or `max_minutes`; checkpoint on a timer, on SIGTERM/SIGINT and at the end.
 
-    `loss_fn(batch)` returns a scalar loss for a [B, T] batch of token ids. Returns a summary dict.
+    `tokens` is a packed token stream (batches are `batch_at` windows) or a function step -> batch whose
+    result has `num_tokens`; `loss_fn(batch)` returns a scalar loss. Returns a summary dict.
     """
     optimizer = make_optimizer(model, cfg)
     ckpt_path = ckpt_dir / "latest.pt"
@@ -170,7 +171,8 @@ def run_loop(model, loss_fn: Callable[[torch.Tensor], torch.Tensor], tokens: tor
             lr = lr_at(step, time.time() - t_start, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = batch_at(tokens, step, cfg)
+            batch = tokens(step) if callable(tokens) else batch_at(tokens, step, cfg)
+            batch_tokens = batch.numel() if isinstance(batch, torch.Tensor) else batch.num_tokens
             threads = tuner.before_step(step) if tuner else torch.get_num_threads()
             t_step = time.time()
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -182,8 +184,8 @@ def run_loop(model, loss_fn: Callable[[torch.Tensor], torch.Tensor], tokens: tor
             if tuner:
                 tuner.after_step(time.time() - t_step)
             state["step"] = step + 1
-            state["tokens_seen"] += batch.numel()
-            window_tokens += batch.numel()
+            state["tokens_seen"] += batch_tokens
+            window_tokens += batch_tokens
             value = loss.detach().item()
             loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
             state["history"].append((state["step"], round(value, 4)))

