@@ -38,10 +38,14 @@ def test_llm_without_arguments_serves_the_smollm2_demo_and_answers():
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True, tokenize=False)
     out = llm.generate(chat, SamplingParams(temperature=0, max_tokens=24))[0]
-    assert "Paris" in out.text and out.finish_reason == "stop"
-    s = out.speculation
-    assert s.method == "draft" and s.num_draft_tokens > 0
-    assert s.num_accepted_tokens / s.num_draft_tokens > 0.3  # a trained draft (random weights accept ~0)
+    assert "Paris" in out.text and out.finish_reason == "stop" and out.speculation.method == "draft"
+    from engine.train.chat_prompts import heldout_prompts
+    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in heldout_prompts()[1:5]]
+    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=32, num_speculative_tokens=2))
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    # a trained draft (random weights accept ~0): about 0.2 at k = 2 on held-out questions (README benchmark)
+    assert drafted > 0 and sum(o.speculation.num_accepted_tokens for o in outs) / drafted > 0.1
 
 
 @needs_demo
