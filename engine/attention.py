@@ -41,17 +41,20 @@ class KeyView:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
+class QueryGroup:
+    """Sequences of one forward whose queries are padded together to `query_index.shape[1]` rows. A forward splits
+    its sequences into short ones (decode, verification) and long ones (prefill chunks), so that a decode row is
+    never padded to a prefill chunk's length (that padding made mixed steps several times slower)."""
+
     kv: KVPool
-    write_slots: torch.Tensor  # [T] flat pool slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor  # [B, nb] blocks of each sequence, padded with the null block
     starts: torch.Tensor  # [B] position of each sequence's first new token
     query_index: torch.Tensor  # [B, Qmax] token index of each (sequence, query slot); padding repeats a real token
     query_pos: torch.Tensor  # [B, Qmax] position of each query slot; padding rows repeat the first (never all-masked)
-    output_index: torch.Tensor  # [T] row of each token in the flattened [B * Qmax] output
+    token_index: torch.Tensor  # [Tg] the forward's token rows this group computes
+    output_index: torch.Tensor  # [Tg] their rows in the group's flattened [B * Qmax] output
     max_context: int  # longest start + num_new
     views: dict = field(default_factory=dict, compare=False)  # pattern -> KeyView, built once per forward
-    layers_seen: set = field(default_factory=set, compare=False)  # each layer writes its K/V once per forward
 
     def key_view(self, pattern: tuple[str, int] | None) -> KeyView:
         """Slots and mask for `pattern`: None (causal), ("window", w) or ("chunk", c); built on first use, so a
@@ -89,38 +92,55 @@ class AttentionMetadata:
         return KeyView(slots, mask[:, None])
 
 
+@dataclass(frozen=True)
+class AttentionMetadata:
+    kv: KVPool
+    write_slots: torch.Tensor  # [T] flat pool slot (block * block_size + offset) of each new token
+    num_tokens: int  # T
+    groups: tuple[QueryGroup, ...]
+    layers_seen: set = field(default_factory=set, compare=False)  # each layer writes its K/V once per forward
+
+
+SHORT_QUERY = 16  # sequences with at most this many new tokens form the short group
+
+
+def _group(kv: KVPool, tables: torch.Tensor, num_new: torch.Tensor, starts: torch.Tensor, first_token: torch.Tensor,
+           members: torch.Tensor, device: torch.device) -> QueryGroup:
+    """The QueryGroup of sequences `members` (indices into the forward's chunks)."""
+    num_new, starts, first = num_new[members], starts[members], first_token[members]
+    batch, q_max = len(members), int(num_new.max())
+    ctx_max = int((starts + num_new).max())
+    j = torch.arange(q_max)[None, :]  # [1, Qmax]
+    real = j < num_new[:, None]  # [B, Qmax]
+    query_index = torch.where(real, first[:, None] + j, first[:, None])
+    q_pos = torch.where(real, starts[:, None] + j, starts[:, None])  # padding rows see a real prefix: no NaN
+    flat = torch.arange(batch * q_max).view(batch, q_max)
+    return QueryGroup(kv=kv, block_tables=tables[members, : -(-ctx_max // kv.block_size)].to(device),
+                      starts=starts.to(device), query_index=query_index.to(device), query_pos=q_pos.to(device),
+                      token_index=query_index[real].to(device), output_index=flat[real].to(device),
+                      max_context=ctx_max)
+
+
 def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one ragged forward, plus position ids [T]. Host work is O(B + T) index arithmetic."""
     bs = kv.block_size
     num_new = torch.tensor([c.num_new for c in chunks])
     starts = torch.tensor([c.start for c in chunks])
-    batch, q_max = len(chunks), int(num_new.max())
-    ctx_max = int((starts + num_new).max())
-    nb = -(-ctx_max // bs)
-    tables = torch.full((batch, nb), kv.null_block, dtype=torch.long)
+    nb = -(-int((starts + num_new).max()) // bs)
+    tables = torch.full((len(chunks), nb), kv.null_block, dtype=torch.long)
     for b, c in enumerate(chunks):
         if len(c.block_table) * bs < c.start + c.num_new:
             raise RuntimeError(f"sequence {b}: {len(c.block_table)} blocks cannot hold {c.start + c.num_new} tokens")
         blocks = c.block_table[:nb]
         tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    seq_of_token = torch.repeat_interleave(torch.arange(batch), num_new)  # [T]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), num_new)  # [T]
     first_token = torch.cumsum(num_new, 0) - num_new  # [B]
-    slot = torch.arange(int(num_new.sum())) - first_token[seq_of_token]  # [T] index within its sequence
-    positions = starts[seq_of_token] + slot  # [T]
-    j = torch.arange(q_max)[None, :]  # [1, Qmax]
-    real = j < num_new[:, None]  # [B, Qmax]
-    query_index = torch.where(real, first_token[:, None] + j, first_token[:, None])
-    q_pos = torch.where(real, starts[:, None] + j, starts[:, None])  # padding rows see a real prefix: no NaN
-    md = AttentionMetadata(
-        kv=kv,
-        write_slots=(tables[seq_of_token, positions // bs] * bs + positions % bs).to(device),
-        block_tables=tables.to(device),
-        starts=starts.to(device),
-        query_index=query_index.to(device),
-        query_pos=q_pos.to(device),
-        output_index=(seq_of_token * q_max + slot).to(device),
-        max_context=ctx_max,
-    )
+    positions = starts[seq_of_token] + torch.arange(int(num_new.sum())) - first_token[seq_of_token]  # [T]
+    short = num_new <= SHORT_QUERY
+    groups = tuple(_group(kv, tables, num_new, starts, first_token, members, device)
+                   for members in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]) if len(members))
+    md = AttentionMetadata(kv=kv, write_slots=(tables[seq_of_token, positions // bs] * bs + positions % bs).to(device),
+                           num_tokens=int(num_new.sum()), groups=groups)
     return md, positions.to(device)
 
 
@@ -165,9 +185,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_rows, v_rows = k_store.view(-1, row), v_store.view(-1, row)  # [slots, H_kv * D]: one row per token slot
     k_rows.index_copy_(0, md.write_slots, key[0].transpose(0, 1).reshape(-1, row).to(k_rows.dtype))  # [T] rows
     v_rows.index_copy_(0, md.write_slots, value[0].transpose(0, 1).reshape(-1, row).to(v_rows.dtype))
-    view = md.key_view(pattern)
+    q_tokens = query[0].transpose(0, 1)  # [T, H, D]
+    heads = q_tokens.shape[1]
+    out = q_tokens.new_empty(md.num_tokens, heads, head_dim)
+    for group in md.groups:
+        out[group.token_index] = _group_attention(group, pattern, q_tokens, k_rows, v_rows, kv_heads, head_dim,
+                                                  scaling, softcap, s_aux)
+    return out[None], None
+
+
+def _group_attention(group: QueryGroup, pattern, q_tokens, k_rows, v_rows, kv_heads: int, head_dim: int, scaling,
+                     softcap, s_aux) -> torch.Tensor:
+    """Attention of one query group -> [Tg, H, D] in the order of group.token_index."""
+    view = group.key_view(pattern)
     batch, length = view.slots.shape
-    q = query[0].transpose(0, 1)[md.query_index].transpose(1, 2)  # [B, H, Qmax, D]
+    q = q_tokens[group.query_index].transpose(1, 2)  # [B, H, Qmax, D]
     k = k_rows.index_select(0, view.slots.view(-1)).view(batch, length, kv_heads, head_dim)  # [B, L, H_kv, D]
     v = v_rows.index_select(0, view.slots.view(-1)).view(batch, length, kv_heads, head_dim)
     k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)  # [B, H_kv, L, D]
@@ -178,8 +210,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     else:
         out = _manual_attention(q, k, v, view.mask, scaling if scaling is not None else head_dim ** -0.5, softcap,
                                 s_aux)
-    out = out.transpose(1, 2).reshape(-1, heads, head_dim)[md.output_index]  # [T, H, D]
-    return out[None], None
+    return out.transpose(1, 2).reshape(-1, heads, head_dim)[group.output_index]  # [Tg, H, D]
 
 
 def _manual_attention(q, k, v, mask, scaling: float, softcap: float | None, sinks: torch.Tensor | None):

@@ -119,3 +119,31 @@ def test_logits_are_cut_or_padded_to_the_target_vocabulary(models):
         assert (logits[0, :shared] - ref[-1, :shared]).abs().max() < TOL
         if width > vocab:
             assert torch.isneginf(logits[0, vocab:]).all()  # a padded id can never be proposed
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch):
+    """Short chunks (decode) and long ones (prefill) attend in separate query groups; the outputs must come back
+    in the forward's token order, whatever order the chunks arrive in."""
+    from engine.attention import SHORT_QUERY, build_metadata
+    path, vocab = models[arch], models["vocab"]
+    model = load_model(path, torch.float32, CPU)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (6, SHORT_QUERY + 9, 4, SHORT_QUERY + 3)]
+    alloc = BlockAllocator(num_blocks=24, block_size=BLOCK)
+    tables = _interleaved_tables(alloc, [alloc.blocks_for(len(s)) for s in seqs])
+    kv = KVPool.allocate(model.config, alloc.num_blocks, BLOCK, torch.float32, CPU)
+    runner = ModelRunner(model, kv, CPU, vocab)
+    # seqs 0 and 2 prefill all but their last token first; then one forward: decode, long prefill, decode, prefill
+    _step(runner, [seqs[0], seqs[2]], [SeqChunk(tables[0], 0, 5), SeqChunk(tables[2], 0, 3)])
+    chunks = [SeqChunk(tables[0], 5, 1), SeqChunk(tables[1], 0, len(seqs[1])), SeqChunk(tables[2], 3, 1),
+              SeqChunk(tables[3], 0, len(seqs[3]))]
+    md, _ = build_metadata(kv, chunks, CPU)
+    assert [len(g.starts) for g in md.groups] == [2, 2]  # two decode rows, two prefill rows
+    assert [g.query_index.shape[1] for g in md.groups] == [1, SHORT_QUERY + 9]  # decode rows are not padded
+    got = _step(runner, seqs, chunks, rows=[[0], list(range(len(seqs[1]))), [0], list(range(len(seqs[3])))])
+    refs = [_reference(path, s) for s in seqs]
+    assert (got[0][0] - refs[0][-1]).abs().max() < TOL
+    assert (got[1] - refs[1]).abs().max() < TOL
+    assert (got[2][0] - refs[2][-1]).abs().max() < TOL
+    assert (got[3] - refs[3]).abs().max() < TOL
