@@ -61,6 +61,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=20, help="log-probs kept per output position (<= 20)")
     gen.add_argument("--batch", type=int, default=48, help="sequences decoded together")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--passes", type=int, default=2,
+                     help="answers per prompt (pass 0 and 1 together: one greedy and one sampled answer each)")
     gen.add_argument("--threads", type=int, default=None)
     sd = kinds.add_parser("selfdistill", help="distil a draft on a selfgen set (the target's own answers)")
     _add_common(sd, seq_len=512, lr=1e-3)
@@ -90,7 +92,7 @@ def _run_selfgen(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     return generate_set(args.target, args.out, args.max_minutes, max_tokens=args.max_tokens, top_k=args.top_k,
-                        batch=args.batch, seed=args.seed)
+                        batch=args.batch, seed=args.seed, passes=args.passes)
 
 
 def run_train(args: argparse.Namespace) -> dict:

@@ -121,7 +121,8 @@ def train_selfdistill(target_path: str, data: str | Path, out: str | Path, cfg: 
     target = load_model(target_path, torch.float32, torch.device("cpu"))
     records = load_set(data, max_len)
     # held out by prompt index (1 in 30), so the split stays the same as the set grows between runs
-    heldout, train = [r for r in records if r["index"] % 30 == 0], [r for r in records if r["index"] % 30]
+    heldout = [r for r in records if r.get("prompt_index", r["index"]) % 30 == 0]
+    train = [r for r in records if r.get("prompt_index", r["index"]) % 30]
     vocab = target.config.vocab_size
     eos = target.generation_config.eos_token_id
     always = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
