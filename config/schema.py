@@ -2,17 +2,70 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class SpeculativeMethodConfig:
+    """One loaded speculation method (vLLM's `speculative_config` keys). `method` is checked against the engine's
+    registry when the engine loads it."""
+
+    method: str
+    model: str | None = None  # the draft model of method "draft"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up (tried first)
+    prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError("speculative_config.method: must be a non-empty string")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens: must be an integer >= 1")
+        if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError("speculative_config.prompt_lookup_min: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not isinstance(self.prompt_lookup_branches, int) or self.prompt_lookup_branches < 1:
+            raise ValueError("speculative_config.prompt_lookup_branches: must be an integer >= 1")
+
+
+def parse_speculative_config(text: str) -> tuple[SpeculativeMethodConfig, ...]:
+    """vLLM's --speculative-config: a JSON object, or a list of them (several methods; the first is the default)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config: invalid JSON ({exc.msg} at position {exc.pos})") from None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(x, dict) for x in items):
+        raise ValueError("speculative_config: must be a JSON object or a non-empty list of objects")
+    known = {f.name for f in fields(SpeculativeMethodConfig)}
+    out = []
+    for item in items:
+        item = dict(item)
+        if "draft_model" in item and "model" not in item:
+            item["model"] = item.pop("draft_model")
+        unknown = sorted(set(item) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        if "method" not in item:
+            raise ValueError("speculative_config.method: required")
+        out.append(SpeculativeMethodConfig(**item))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF directory, hub id or .gguf file; None: the demo target (SmolLM2 GGUF)
     draft_model: str | None = None  # None with model=None: the bundled demo draft
-    speculative_method: str | None = None  # "draft" | "none"; None: "draft" when a draft model is given
+    speculative_method: str | None = None  # a registry name or "none"; None: "draft" when a draft model is given
     num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up
+    prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
+    speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
     dtype: str = "auto"  # auto = bf16 where the device supports it
     device: str = "auto"  # auto = cuda when present
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
@@ -34,20 +87,47 @@ class EngineConfig:
             (self.block_size >= 1, "block_size", "must be >= 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0"),
             (self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2"),
-            (self.speculative_method in (None, "draft", "none"), "speculative_method", "must be 'draft' or 'none'"),
+            (1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+             "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
+            (self.prompt_lookup_branches >= 1, "prompt_lookup_branches", "must be >= 1"),
         ]
         for ok, name, msg in checks:
             if not ok:
                 raise ValueError(f"{name}: {msg}")
-        if self.speculative_method == "draft" and self.model is not None and self.draft_model is None:
-            raise ValueError("draft_model: speculative_method 'draft' needs a draft model")
+        from engine.proposers.registry import NONE, canonical, proposer_names  # light: no torch
+
+        if self.speculative_method is not None and canonical(self.speculative_method) not in (*proposer_names(), NONE):
+            raise ValueError(f"speculative_method: unknown method {self.speculative_method!r}; available: "
+                             f"{', '.join([*proposer_names(), NONE])}")
+        methods = self.speculative_methods  # parses and checks the JSON once, here
+        for m in methods:
+            if canonical(m.method) not in proposer_names():
+                raise ValueError(f"speculative_config.method: unknown method {m.method!r}; available: "
+                                 f"{', '.join(proposer_names())}")
+            if m.method in ("draft", "draft_model") and m.model is None and self.model is not None:
+                raise ValueError("draft_model: speculative method 'draft' needs a draft model")
+
+    @property
+    def speculative_methods(self) -> tuple[SpeculativeMethodConfig, ...]:
+        """The methods to load, the default first: from `speculative_config`, else from the flat fields. A draft
+        method without a model on the demo target means the bundled demo draft (the engine resolves it)."""
+        if self.speculative_config:
+            return parse_speculative_config(self.speculative_config)
+        if self.num_speculative_tokens == 0:
+            return ()
+        method = self.speculative_method
+        if method is None:
+            method = "draft" if self.draft_model is not None or self.model is None else "none"
+        if method.strip().lower() == "none":
+            return ()
+        return (SpeculativeMethodConfig(method, self.draft_model, self.num_speculative_tokens, self.prompt_lookup_min,
+                                        self.prompt_lookup_max, self.prompt_lookup_branches),)
 
     @property
     def method(self) -> str:
-        if self.speculative_method is not None:
-            return self.speculative_method if self.num_speculative_tokens > 0 else "none"
-        has_draft = self.draft_model is not None or self.model is None
-        return "draft" if has_draft and self.num_speculative_tokens > 0 else "none"
+        """The default method's name ("none" without speculation), before the registry canonicalises aliases."""
+        methods = self.speculative_methods
+        return methods[0].method if methods else "none"
 
 
 @dataclass(frozen=True)
@@ -55,7 +135,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # the Docker image sets 0.0.0.0
     port: int = 8000
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1/* when set
-    served_model_name: str | None = None  # default: the model path's last component (SmolLM2-135M-Instruct for the demo)
+    served_model_name: str | None = None  # default: the model path's last component (SmolLM2-135M-Instruct: demo)
     shutdown_timeout: float = 30.0  # seconds in-flight requests may finish after SIGTERM
     log_level: str = "info"
     log_format: str = "text"  # "text" | "json": one line per finished request either way

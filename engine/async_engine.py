@@ -19,11 +19,14 @@ from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineTotals, StepStats
+from engine.tokens import encode_prompt, encode_rendered
 
 StepCallback = Callable[[StepStats, list[RequestOutput]], None]
 
 
 class AsyncEngine:
+    """The EngineClient (engine/client.py) the server talks to."""
+
     def __init__(self, config: EngineConfig, on_step: StepCallback | None = None):
         self.config = config
         self.on_step = on_step  # called on the engine thread after every step (metrics)
@@ -82,9 +85,11 @@ class AsyncEngine:
         if self._state != "ready" or self.core is None:
             raise EngineDeadError(self._error or f"the engine is {self._state}")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
+        if request_id in self._streams:  # this thread's own map of streams; the core checks its requests again
             raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
-        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        ids = encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else prompt
+        if isinstance(params.prediction, str):  # tokenised here: the engine thread's tokenizer is not ours
+            params = replace(params, prediction=encode_rendered(self.tokenizer, params.prediction))
         request = self.core.make_request(request_id, prompt, params, ids)
         waiting = len(self.core.scheduler.waiting) + self._submitted - self._drained
         if waiting >= self.config.max_queue_len:
@@ -154,7 +159,7 @@ class AsyncEngine:
                 return aborted
             if kind == "add":
                 self._drained += 1
-                self.core.add_request(item, enforce_queue_limit=False)
+                self.core.add_request(item)
             else:
                 out = self.core.abort(item)
                 if out is not None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.kv_cache import KVPool
+from engine.tree import ancestor_matrix, depths
 
 ATTN_IMPLEMENTATION = "specserve_paged"
 PATTERN_ATTR = "specserve_pattern"  # set on each attention module at load: None, ("window", w) or ("chunk", c)
@@ -30,6 +31,10 @@ class SeqChunk:
     block_table: list[int]
     start: int
     num_new: int
+    # a token tree (engine/tree.py): parent of chunk token t >= 1 at index t - 1 (0 = the chunk's first token).
+    # Tokens sit in slots start .. start + num_new - 1 in chunk order, at positions start + depth, and attend to
+    # the context and their own ancestors only. None: a causal run of tokens.
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class QueryGroup:
     token_index: torch.Tensor  # [Tg] the forward's token rows this group computes
     output_index: torch.Tensor  # [Tg] their rows in the group's flattened [B * Qmax] output
     max_context: int  # longest start + num_new
+    tree_mask: torch.Tensor | None = None  # [B, Qmax, Qmax] which new tokens each new token sees; None: causal
     views: dict = field(default_factory=dict, compare=False)  # pattern -> KeyView, built once per forward
 
     def key_view(self, pattern: tuple[str, int] | None) -> KeyView:
@@ -85,11 +91,26 @@ class QueryGroup:
             mask &= key_pos[:, None, :] > q_pos - size
         elif kind == "chunk":
             mask &= key_pos[:, None, :] // size == q_pos // size
+        if self.tree_mask is not None:
+            if kind != "causal":  # the engine proposes trees only for models without windows or chunks
+                raise NotImplementedError(f"token trees under {kind} attention are not supported")
+            mask = self._with_tree(mask)
         seen = mask.any(dim=1)  # [B, L] slots some query of the sequence attends
         block_col = (key_pos // bs).clamp(max=self.block_tables.shape[1] - 1)
         blocks = self.block_tables.gather(1, block_col)  # [B, L]
         slots = torch.where(seen, blocks * bs + key_pos % bs, self.kv.null_block * bs)
         return KeyView(slots, mask[:, None])
+
+    def _with_tree(self, mask: torch.Tensor) -> torch.Tensor:
+        """Replace the causal pattern among each sequence's new tokens by tree_mask (one spare column takes the
+        padding query slots' entries)."""
+        batch, q_max, length = mask.shape
+        j = torch.arange(q_max, device=mask.device)[None, :]
+        real = self.query_pos - self.starts[:, None] == j  # padding slots repeat the first position
+        cols = torch.where(real, self.starts[:, None] + j, torch.full_like(j, length))  # [B, Qmax]
+        wide = torch.cat([mask, mask.new_zeros(batch, q_max, 1)], dim=2)
+        wide.scatter_(2, cols[:, None, :].expand(batch, q_max, q_max), self.tree_mask & real[:, None, :])
+        return wide[..., :length]
 
 
 @dataclass(frozen=True)
@@ -105,8 +126,19 @@ SHORT_QUERY = 16  # sequences with at most this many new tokens form the short g
 
 
 def _group(kv: KVPool, tables: torch.Tensor, num_new: torch.Tensor, starts: torch.Tensor, first_token: torch.Tensor,
-           members: torch.Tensor, device: torch.device) -> QueryGroup:
-    """The QueryGroup of sequences `members` (indices into the forward's chunks)."""
+           members: torch.Tensor, trees: dict, device: torch.device) -> QueryGroup:
+    """The QueryGroup of sequences `members` (indices into the forward's chunks); `trees`: chunk -> [n, n] mask."""
+    tree_mask = None
+    if any(int(b) in trees for b in members):
+        q = int(num_new[members].max())
+        tree_mask = torch.tril(torch.ones(len(members), q, q, dtype=torch.bool))  # causal members stay causal
+        for i, b in enumerate(members.tolist()):
+            if b in trees:
+                n = trees[b].shape[0]
+                tree_mask[i, :n, :n] = trees[b]
+                tree_mask[i, n:] = False
+                tree_mask[i, n:, 0] = True  # padding query slots see the first new token, as they do causally
+        tree_mask = tree_mask.to(device)
     num_new, starts, first = num_new[members], starts[members], first_token[members]
     batch, q_max = len(members), int(num_new.max())
     ctx_max = int((starts + num_new).max())
@@ -118,7 +150,7 @@ def _group(kv: KVPool, tables: torch.Tensor, num_new: torch.Tensor, starts: torc
     return QueryGroup(kv=kv, block_tables=tables[members, : -(-ctx_max // kv.block_size)].to(device),
                       starts=starts.to(device), query_index=query_index.to(device), query_pos=q_pos.to(device),
                       token_index=query_index[real].to(device), output_index=flat[real].to(device),
-                      max_context=ctx_max)
+                      max_context=ctx_max, tree_mask=tree_mask)
 
 
 def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -135,11 +167,19 @@ def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> 
         tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
     seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), num_new)  # [T]
     first_token = torch.cumsum(num_new, 0) - num_new  # [B]
-    positions = starts[seq_of_token] + torch.arange(int(num_new.sum())) - first_token[seq_of_token]  # [T]
+    slot_pos = starts[seq_of_token] + torch.arange(int(num_new.sum())) - first_token[seq_of_token]  # [T]
+    positions = slot_pos.clone()  # what the model sees (RoPE): a tree token sits at start + its depth
+    trees = {}  # chunk -> [n, n] ancestor mask of its token tree
+    for b, c in enumerate(chunks):
+        if c.parents is not None:
+            anc = ancestor_matrix(torch.tensor([c.parents], dtype=torch.long))[0]  # [n, n]
+            trees[b] = anc
+            first = int(first_token[b])
+            positions[first:first + c.num_new] = c.start + depths(anc[None])[0]
     short = num_new <= SHORT_QUERY
-    groups = tuple(_group(kv, tables, num_new, starts, first_token, members, device)
+    groups = tuple(_group(kv, tables, num_new, starts, first_token, members, trees, device)
                    for members in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]) if len(members))
-    md = AttentionMetadata(kv=kv, write_slots=(tables[seq_of_token, positions // bs] * bs + positions % bs).to(device),
+    md = AttentionMetadata(kv=kv, write_slots=(tables[seq_of_token, slot_pos // bs] * bs + slot_pos % bs).to(device),
                            num_tokens=int(num_new.sum()), groups=groups)
     return md, positions.to(device)
 

@@ -1,12 +1,15 @@
-"""EngineCore: the synchronous step loop — schedule() -> execute() -> update() — over target, draft and KV cache.
+"""EngineCore: the synchronous step loop over the target, the loaded proposers and the KV cache.
 
-One step drafts for every decoding sequence, runs ONE target forward over the whole ragged batch (prefill chunks
-and k + 1 verify positions alike), verifies with the batched rejection sampler, then appends tokens, rolls back
-rejected positions (O(1): computed lengths only) and frees finished requests' blocks.
+`step()`: the scheduler hands each running request a token budget (a prefill chunk, or its last token + up to k
+proposed tokens); each request's proposer proposes at most that many (possibly none); ONE target forward runs over
+the whole ragged batch (prefill chunks and 1 + proposed verify positions alike); `verify()` runs the batched
+rejection sampler; then tokens are appended, rejected positions rolled back (O(1): computed lengths only), the
+proposers told what was accepted, and finished requests' blocks freed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -15,20 +18,23 @@ from pathlib import Path
 import torch
 
 from config.schema import EngineConfig
-from engine.attention import SeqChunk
-from engine.errors import InvalidRequestError, QueueFullError, RequestTooLongError
+from engine.admission import RequestBuilder
+from engine.attention import PATTERN_ATTR, SeqChunk
+from engine.errors import InvalidRequestError
 from engine.kv_cache import BlockAllocator, KVPool, kv_bytes_per_token
-from engine.loader import (check_draft_compatible, check_model_path, default_kv_cache_memory, demo_model_paths,
-                           is_gguf, load_model, load_tokenizer, resolve_chat_template, resolve_device,
-                           resolve_dtype)
+from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
+                           resolve_chat_template, resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
+from engine.proposal_batch import ProposalRouter, RowProposal, draft_batch
+from engine.proposers.base import ProposerContext
+from engine.proposers.prediction import PredictionProposer, prediction_usage
+from engine.proposers.registry import NONE, proposer_class
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, requested_k
-from engine.spec.draft_model import DraftModelProposer
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.stats import EngineTotals, StepStats
+from engine.step_results import count_speculation, hidden_chunks, path_moves, verified_rows
 from engine.verifier import verify
-from engine.vocab_map import load_vocab_map
 
 log = logging.getLogger("specserve.engine")
 
@@ -38,57 +44,79 @@ class EngineCore:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        target_path, draft_path = self._model_paths(config)
+        target_path, demo_draft = self._model_paths(config)
         check_model_path(target_path, "model")
-        if draft_path is not None and config.method == "draft":
-            check_model_path(draft_path, "draft_model")
         self.model_path = str(target_path)
         remote = config.trust_remote_code
         self.tokenizer = load_tokenizer(target_path, remote)
         if config.chat_template:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
         target = load_model(target_path, self.dtype, self.device, remote)
-        self.method = config.method
-        draft = (load_model(draft_path, self.dtype, self.device, remote, field="draft_model")
-                 if self.method == "draft" else None)
         self.vocab_size = target.config.vocab_size
-        draft_map = None
-        if draft is not None:
-            draft_map = None if is_gguf(draft_path) else load_vocab_map(draft_path, self.vocab_size, self.device)
-            check_draft_compatible(target_path, draft_path, self.tokenizer, target.config, draft.config, draft_map)
+        tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
+        ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
+                              self.dtype, remote, tree_attention)
+        self.proposers = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; the default first
+        self.default_method = next(iter(self.proposers), NONE)
+        self.router = ProposalRouter(self.proposers, PredictionProposer(self.device), tree_attention)
         limits = [config.max_model_len, target.config.max_position_embeddings,
-                  draft.config.max_position_embeddings if draft is not None else None]
+                  *(p.max_model_len for p in self.proposers.values())]
         self.max_model_len = min(x for x in limits if x)
         per_token = kv_bytes_per_token(target.config, self.dtype)
-        per_token += kv_bytes_per_token(draft.config, self.dtype) if draft is not None else 0
+        per_token += sum(p.kv_bytes_per_token() for p in self.proposers.values())
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
         num_blocks = budget // (per_token * config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no block of {config.block_size} tokens")
         self.allocator = BlockAllocator(num_blocks, config.block_size)
+        hidden_layers = tuple(sorted({i for p in self.proposers.values() for i in p.needs.hidden_layers}))
         self.target = ModelRunner(target, KVPool.allocate(target.config, num_blocks, config.block_size, self.dtype,
-                                                          self.device), self.device, self.vocab_size)
-        self.proposer = None
-        if draft is not None:
-            kv = KVPool.allocate(draft.config, num_blocks, config.block_size, self.dtype, self.device)
-            runner = ModelRunner(draft, kv, self.device, self.vocab_size, draft_map)
-            self.proposer = DraftModelProposer(runner, self.device)
-        self.num_speculative_tokens = config.num_speculative_tokens if self.proposer else 0
+                                                          self.device), self.device, self.vocab_size,
+                                  hidden_layers=hidden_layers)
+        for p in self.proposers.values():
+            p.bind_kv(num_blocks, config.block_size)
+        self.num_speculative_tokens = max([p.num_speculative_tokens for p in self.proposers.values()], default=0)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.num_speculative_tokens)
+                                   self.max_model_len)
         seed = config.seed if config.seed is not None else random.randrange(1 << 62)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = self._eos_ids(target)
+        self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
+                                      {n: p.num_speculative_tokens for n, p in self.proposers.items()},
+                                      self.allocator.num_blocks, self.allocator.block_size,
+                                      frozenset(self.eos_token_ids), self.device)
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
 
     @staticmethod
+    def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> dict:
+        field = "speculative_config.method" if config.speculative_config else "speculative_method"
+        proposers = {}
+        for m in config.speculative_methods:
+            cls = proposer_class(m.method, field)
+            if cls.name in proposers:
+                raise ValueError(f"{field}: method {cls.name!r} is listed twice")
+            if cls.needs.draft_model and m.model is None:
+                m = dataclasses.replace(m, model=str(demo_draft))  # the demo target's bundled draft
+            proposers[cls.name] = cls.load(m, ctx)
+        return proposers
+
+    @property
+    def proposer(self):
+        """The default method's proposer (None without speculation)."""
+        return self.proposers.get(self.default_method)
+
+    @property
+    def method(self) -> str:
+        return self.default_method
+
+    @staticmethod
     def _model_paths(config: EngineConfig) -> tuple[Path | str, Path | str | None]:
+        """(target, the draft a draft method without a model uses: the bundled one for the demo target)."""
         if config.model is not None:
-            return config.model, config.draft_model
-        target, draft = demo_model_paths()
-        return target, config.draft_model or draft
+            return config.model, None
+        return demo_model_paths()
 
     def _eos_ids(self, model) -> set[int]:
         ids = getattr(model.generation_config, "eos_token_id", None)
@@ -100,41 +128,18 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
-            raise InvalidRequestError(f"prompt: token ids must be integers in [0, {self.vocab_size})", "prompt")
-        return list(prompt)
+        return self.builder.tokenize(prompt)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      prompt_token_ids: list[int] | None = None) -> Request:
-        """Validate and build a request (raises InvalidRequestError / RequestTooLongError); does not enqueue.
-        `prompt_token_ids` skips tokenising `prompt` (callers on other threads use their own tokenizer)."""
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request_id: {request_id!r} is already in use", "request_id")
-        ids = self.tokenize(prompt if prompt_token_ids is None else prompt_token_ids)
-        if not ids:
-            raise InvalidRequestError("prompt: must contain at least one token", "prompt")
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise RequestTooLongError(f"This model's maximum context length is {self.max_model_len} tokens; the "
-                                      f"prompt has {n} tokens.")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            raise RequestTooLongError(f"This model's maximum context length is {self.max_model_len} tokens; the "
-                                      f"prompt has {n} tokens and max_tokens is {max_tokens}.", param="max_tokens")
-        need = min(n + max_tokens + self.num_speculative_tokens, self.max_model_len)
-        if self.allocator.blocks_for(need) > self.allocator.num_blocks:
-            raise RequestTooLongError(f"the request needs up to {need} tokens of KV cache but kv_cache_memory holds "
-                                      f"{self.allocator.num_blocks * self.allocator.block_size}", param="max_tokens")
-        k = requested_k(params.num_speculative_tokens, self.num_speculative_tokens)
-        method = self.method if k > 0 else "none"
-        return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
-                       self.eos_token_ids, max_tokens, method, self.device)
+        """Validate and build a request without enqueueing it; safe on any thread (engine/admission.py)."""
+        return self.builder.build(request_id, prompt, params, prompt_token_ids)
 
-    def add_request(self, request: Request, enforce_queue_limit: bool = True) -> None:
-        if enforce_queue_limit and len(self.scheduler.waiting) >= self.config.max_queue_len:
-            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests)")
+    def add_request(self, request: Request) -> None:
+        """Enqueue (on the step loop's thread). Admission limits (max_queue_len) belong to the caller that can
+        answer "retry later": AsyncEngine.submit."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id: {request.request_id!r} is already in use", "request_id")
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -143,7 +148,7 @@ class EngineCore:
         if req is None:
             return None
         req.finish(reason)
-        self.scheduler.free(req)
+        self._free(req)
         return req.make_output()
 
     def has_unfinished(self) -> bool:
@@ -152,23 +157,35 @@ class EngineCore:
     # -- the step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """schedule -> propose -> one target forward -> verify -> update (the story; each part below)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        for req in sched.preempted:
+            for p in self.router.all():
+                p.on_preempt(req)
         stats = StepStats(num_preempted=len(sched.preempted))
         seqs = sched.seqs
         if seqs:
-            sampling = [s for s in seqs if s.samples]
-            spec = [s for s in sampling if s.num_draft_tokens > 0]
-            proposal = self.proposer.propose([s.request for s in spec], [s.num_draft_tokens for s in spec],
-                                             self.generator) if spec else None
-            t1 = time.perf_counter()
-            logits = self._target_forward(seqs, spec, proposal)
+            t_draft = time.perf_counter()
+            seqs, proposals = self._propose(seqs)
+            t_verify = time.perf_counter()
+            stats.draft_seconds = t_verify - t_draft
+            roots = [s.request.num_computed_tokens for s in seqs]  # position of each sequence's first new token
+            logits, hidden, hidden_rows = self._target_forward(seqs, proposals)
             for s in seqs:
                 s.request.num_computed_tokens += s.num_new_tokens
                 stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0
-            if sampling:
-                self._verify_and_update(sampling, spec, proposal, logits, stats)
-            stats.draft_seconds, stats.verify_seconds = t1 - t0, time.perf_counter() - t1
+            paths = self._verify_and_update(seqs, proposals, roots, logits, stats)
+            if hidden:
+                for name, (reqs, chunks) in hidden_chunks(seqs, roots, paths, hidden, hidden_rows,
+                                                          self._hidden_owner, self.device).items():
+                    self.proposers[name].on_hidden(reqs, chunks)
+            for name, (reqs, rows) in verified_rows(seqs, proposals, paths).items():
+                self.router.by_name(name).on_verified(reqs, rows)
+            for s in seqs:
+                if s.request.finished:
+                    self._free(s.request)
+            stats.verify_seconds = time.perf_counter() - t_verify
         outputs = [s.request.make_output() for s in seqs if s.samples or s.request.finished]
         for out in outputs:
             if out.finished:
@@ -180,52 +197,72 @@ class EngineCore:
         self.last_step = stats
         return outputs
 
-    def _target_forward(self, seqs: list[ScheduledSeq], spec: list[ScheduledSeq], proposal) -> torch.Tensor:
-        ids, chunks, rows, slots = [], [], [], []
-        for s in seqs:
-            req, k, n = s.request, s.num_draft_tokens, s.num_new_tokens
+    def _propose(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[RowProposal | None]]:
+        """Proposals for the rows the scheduler gave a speculative budget; each such row then computes 1 + what was
+        proposed (the scheduler reserved 1 + k). -> (seqs trimmed to their proposals, proposal per seq)."""
+        spec = [i for i, s in enumerate(seqs) if s.samples and s.num_draft_tokens > 0]
+        proposals: list[RowProposal | None] = [None] * len(seqs)
+        if not spec:
+            return seqs, proposals
+        rows = self.router.propose([seqs[i].request for i in spec], [seqs[i].num_draft_tokens for i in spec],
+                                   self.generator)
+        seqs = list(seqs)
+        for i, row in zip(spec, rows):
+            n = 0 if row is None else len(row.tokens)
+            seqs[i] = dataclasses.replace(seqs[i], num_new_tokens=1 + n, num_draft_tokens=n)
+            proposals[i] = row
+        return seqs, proposals
+
+    def _target_forward(self, seqs: list[ScheduledSeq], proposals: list[RowProposal | None]):
+        """ONE forward over every sequence's new tokens (prefill chunks; last token + proposed nodes).
+        -> (logits [N, V] at the sampling rows, hidden states if a proposer asked, the rows they were taken at)."""
+        ids, chunks, rows = [], [], []
+        for s, prop in zip(seqs, proposals):
+            req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            if k:  # last emitted token, then k draft tokens filled in on the device below
-                slots.extend(range(len(ids) + 1, len(ids) + 1 + k))
-                ids.extend([req.token_ids[-1]] + [0] * k)
+            if prop is not None:  # the last emitted token, then the proposed nodes
+                ids.extend([req.token_ids[-1], *prop.tokens])
             else:
                 ids.extend(req.token_ids[start:start + n])
             if s.samples:
-                rows.extend(range(len(ids) - k - 1, len(ids)))
-            chunks.append(SeqChunk(req.block_ids, start, n))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        if spec:
-            r = [i for i, s in enumerate(spec) for _ in range(s.num_draft_tokens)]
-            c = [j for s in spec for j in range(s.num_draft_tokens)]
-            input_ids[torch.tensor(slots, device=self.device)] = proposal.token_ids[r, c]
-        return self.target.forward(input_ids, chunks, torch.tensor(rows, dtype=torch.long))  # [N, V]
+                rows.extend(range(len(ids) - s.num_draft_tokens - 1, len(ids)))
+            parents = tuple(prop.parents) if prop is not None and prop.is_tree else None
+            chunks.append(SeqChunk(req.block_ids, start, n, parents))
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        logits_rows = torch.tensor(rows, dtype=torch.long)
+        want = [s for s in seqs if self._hidden_owner(s.request) is not None]
+        if not want:
+            logits, _ = self.target.run(input_ids, chunks, logits_rows)
+            return logits, {}, None
+        every = any(self._hidden_owner(s.request).needs.hidden_rows == "all" for s in want)
+        hidden_rows = None if every else logits_rows  # None: every token row
+        logits, hidden = self.target.run(input_ids, chunks, logits_rows, hidden_rows, capture=True)
+        return logits, hidden, hidden_rows
 
-    def _verify_and_update(self, sampling, spec, proposal, logits, stats: StepStats) -> None:
-        ks = [s.num_draft_tokens for s in sampling]
-        k_max = max(ks)
-        draft_ids = torch.full((len(sampling), k_max), -1, dtype=torch.long, device=self.device)  # [B, K]
-        draft_probs = None
-        if spec:
-            where = torch.tensor([i for i, s in enumerate(sampling) if s.num_draft_tokens], device=self.device)
-            draft_ids[where] = proposal.token_ids
-            if proposal.probs is not None:
-                draft_probs = torch.zeros(len(sampling), k_max, self.vocab_size, device=self.device)  # [B, K, V]
-                draft_probs[where] = proposal.probs
-        res = verify(logits, [s.request for s in sampling], ks, draft_ids, draft_probs, self.generator)
-        stats.num_accepted_tokens_per_pos = [0] * k_max
-        for b, s in enumerate(sampling):
-            req, k, m = s.request, ks[b], res.num_accepted[b]
+    def _hidden_owner(self, req: Request):
+        """The proposer that reads this request's target hidden states, if any."""
+        p = self.proposers.get(req.fallback_method)
+        return p if p is not None and p.needs.hidden_layers else None
+
+    def _verify_and_update(self, seqs, proposals, roots, logits, stats: StepStats) -> dict[int, list[int]]:
+        """Verify every sampling sequence, append what it emitted, roll back rejected positions (and move an
+        accepted tree path's K/V into place). -> seq index -> its emitted rows' nodes (0 = the last token)."""
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        if not sampling:
+            return {}
+        ks = [seqs[i].num_draft_tokens for i in sampling]
+        drafts = draft_batch([proposals[i] for i in sampling], self.vocab_size, self.device)
+        res = verify(logits, [seqs[i].request for i in sampling], ks, drafts, self.generator)
+        stats.num_accepted_tokens_per_pos = [0] * max(ks)
+        moves: tuple[list[int], list[int]] = ([], [])
+        for b, i in enumerate(sampling):
+            req, k, m = seqs[i].request, ks[b], res.num_accepted[b]
             if k:
-                req.speculation.num_steps += 1
-                req.speculation.num_draft_tokens += k
-                req.speculation.num_accepted_tokens += m
-                stats.num_drafts += 1
-                stats.num_draft_tokens += k
-                stats.num_accepted_tokens += m
-                stats.speculative_tokens_chosen.append(k)
-                stats.accepted_lengths.append(m + 1)
-                for j in range(m):
-                    stats.num_accepted_tokens_per_pos[j] += 1
+                count_speculation(req, k, m, stats)
+                if proposals[i].is_tree:
+                    src, dst = path_moves(req.block_ids, self.allocator.block_size, roots[i], res.paths[b])
+                    moves[0].extend(src)
+                    moves[1].extend(dst)
             try:  # a fault in one request (bad logits, a tokenizer error) ends that request alone
                 if res.non_finite[b]:
                     raise FloatingPointError("the target produced non-finite logits")
@@ -239,10 +276,17 @@ class EngineCore:
                 log.exception("request %s failed", req.request_id)
                 req.fail(f"{type(exc).__name__}: {exc}")
             req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)  # roll back rejects
-            if self.proposer is not None:
-                self.proposer.rollback(req)
-            if req.finished:
-                self.scheduler.free(req)
+        if moves[0]:
+            self.target.kv.copy_slots(*moves)
+        return {i: res.paths[b] for b, i in enumerate(sampling)}
+
+    def _free(self, req: Request) -> None:
+        if req.prediction_token_ids:
+            usage = prediction_usage(req.prediction_token_ids, req.output_token_ids)
+            req.speculation.accepted_prediction_tokens, req.speculation.rejected_prediction_tokens = usage
+        self.scheduler.free(req)
+        for p in self.router.all():
+            p.on_free(req)
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> None:
         req.token_ids.append(token)

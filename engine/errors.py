@@ -18,7 +18,7 @@ class InvalidRequestError(EngineError, ValueError):
 class RequestTooLongError(InvalidRequestError):
     """The prompt (plus max_tokens) can never fit the model length or the KV cache."""
 
-    def __init__(self, message: str, param: str | None = "messages"):
+    def __init__(self, message: str, param: str | None = "prompt"):
         super().__init__(message, param=param, code="context_length_exceeded")
 
 

@@ -90,6 +90,15 @@ class KVPool:
     def value(self) -> list[torch.Tensor]:
         return [t[:-1] for t in self.value_store]
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """K/V of flat slots src[i] -> dst[i] in every layer (an accepted tree path moved into place); all sources
+        are read before any destination is written."""
+        device = self.key_store[0].device
+        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for store in (*self.key_store, *self.value_store):
+            rows = store.view(-1, *store.shape[2:])  # [slots, H_kv, D]
+            rows.index_copy_(0, d, rows.index_select(0, s))
+
     @staticmethod
     def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
         layers, kv_heads, head_dim = kv_geometry(config)

@@ -44,7 +44,7 @@ class LLM:
             requests.append(self.engine.make_request(f"offline-{self._counter}", prompt, p))
             self._counter += 1
         for req in requests:
-            self.engine.add_request(req, enforce_queue_limit=False)
+            self.engine.add_request(req)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(requests):
             for out in self.engine.step():

@@ -29,6 +29,8 @@ class SpeculationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_steps: int = 0
+    accepted_prediction_tokens: int | None = None  # Predicted Outputs (OpenAI's meaning), set when it finishes
+    rejected_prediction_tokens: int | None = None
 
 
 @dataclass
@@ -61,7 +63,9 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device):
+                 tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device,
+                 num_speculative_tokens: int = 0, prediction_token_ids: list[int] | None = None,
+                 fallback_method: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -75,7 +79,9 @@ class Request:
                                                   params.skip_special_tokens)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # target positions whose K/V are in the cache
-        self.num_draft_computed_tokens = 0  # same for the draft model
+        self.fallback_method = fallback_method or method  # the method asked where a prediction offers nothing
+        self.num_speculative_tokens = num_speculative_tokens  # its k (the scheduler may give fewer per step)
+        self.prediction_token_ids = prediction_token_ids  # Predicted Outputs: the expected completion, tokenised
         self.block_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None

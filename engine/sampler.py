@@ -116,6 +116,21 @@ def exponential_noise(generators: list[torch.Generator | None], vocab: int, defa
     return out
 
 
+def depth_noise(generators: list[torch.Generator | None], widths: list[int], width: int, vocab: int,
+                default: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [N, width, V] for the tree rule (one draw per depth); a seeded row draws exactly widths[i] rows
+    of it, so its stream depends only on its own proposal, never on the batch's widest."""
+    out = torch.empty(len(generators), width, vocab, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        out[unseeded] = torch.empty(len(unseeded), width, vocab, device=device).exponential_(generator=default)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            out[i, : widths[i]].exponential_(generator=gen)
+            out[i, widths[i]:] = 1.0  # depths this row cannot reach
+    return out
+
+
 def uniform_noise(generators: list[torch.Generator | None], counts: list[int], width: int,
                   default: torch.Generator, device: torch.device) -> torch.Tensor:
     """U[0, 1) noise [N, width]; a seeded row draws exactly counts[i] values so its stream depends only on its k."""

@@ -18,9 +18,9 @@ def _check(cond: bool, param: str, message: str) -> None:
 class SamplingParams:
     """Per-request sampling settings (temperature 0 = greedy).
 
-    `num_speculative_tokens=None` uses the engine's k; 0 disables speculation for this request; a value above the
-    engine's k is clamped to it. `seed` gives the request its own torch.Generator, so its output does not depend on
-    the other requests in the batch (for a fixed k).
+    `num_speculative_tokens=None` uses the k of the request's method; 0 disables speculation for this request; a
+    value above the method's k is clamped to it. `seed` gives the request its own torch.Generator, so its output
+    does not depend on the other requests in the batch (for a fixed k).
     """
 
     temperature: float = 1.0
@@ -37,6 +37,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     num_speculative_tokens: int | None = None
     skip_special_tokens: bool = True
+    speculative_method: str | None = None  # one of the methods the engine loaded, or "none"; None: its default
+    prediction: str | list[int] | None = None  # Predicted Outputs: the expected completion (text or token ids)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +61,11 @@ class SamplingParams:
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(self.num_speculative_tokens is None or self.num_speculative_tokens >= 0, "num_speculative_tokens",
                "must be >= 0")
+        _check(self.speculative_method is None or isinstance(self.speculative_method, str), "speculative_method",
+               "must be a string")
+        _check(self.prediction is None or isinstance(self.prediction, str)
+               or (isinstance(self.prediction, list) and all(isinstance(t, int) and t >= 0 for t in self.prediction)),
+               "prediction", "must be a string or a list of token ids")
 
     @property
     def greedy(self) -> bool:

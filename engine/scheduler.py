@@ -1,6 +1,7 @@
 """Token-counting scheduler (nano-vllm / vLLM V1 style): every step, hand each running request the tokens that let
 its computed length catch up with its target length (prompt chunk, or last token + k draft tokens), within
-max_num_batched_tokens and the KV budget; then admit waiting requests. Preempts (recompute) when blocks run out."""
+max_num_batched_tokens and the KV budget; then admit waiting requests. Preempts (recompute) when blocks run out;
+the engine tells the proposers (SchedulerOutput.preempted)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from engine.kv_cache import BlockAllocator
 from engine.request import Request, RequestStatus
 
 
-def requested_k(want: int | None, engine_k: int) -> int:
-    """A request's k before per-step limits: its own (capped at the engine's), or the engine's when unset."""
-    return engine_k if want is None else min(want, engine_k)
+def requested_k(want: int | None, method_k: int) -> int:
+    """A request's k before per-step limits: its own (capped at its method's), or the method's when unset."""
+    return method_k if want is None else min(want, method_k)
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, num_speculative_tokens: int):
+                 max_model_len: int):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -50,9 +50,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def choose_k(self, req: Request, token_budget: int) -> int:
-        """k for this step: the request's own k, bounded by the engine's, the tokens it may still emit (a step
-        emits up to k + 1), the model length and the step's token budget."""
-        k = requested_k(req.params.num_speculative_tokens, self.num_speculative_tokens)
+        """k for this step: the request's k (resolved against its method when it was made), bounded by the tokens
+        it may still emit (a step emits up to k + 1), the model length and the step's token budget. Its proposer
+        may then propose fewer (or none): the step computes only what was proposed."""
+        k = req.num_speculative_tokens
         remaining = req.max_tokens - req.num_output_tokens
         return max(0, min(k, remaining - 1, self.max_model_len - len(req.token_ids), token_budget - 1))
 
@@ -70,7 +71,7 @@ class Scheduler:
         self.running.remove(req)
         self.allocator.free(req.block_ids)
         req.block_ids = []
-        req.num_computed_tokens = req.num_draft_computed_tokens = 0
+        req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         out.preempted.append(req)

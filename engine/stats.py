@@ -19,6 +19,7 @@ class StepStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: sequences whose draft j was emitted
     speculative_tokens_chosen: list[int] = field(default_factory=list)  # k of each drafting sequence
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
+    draft_methods: list[str] = field(default_factory=list)  # the method of each drafting sequence (same order)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0

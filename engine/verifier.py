@@ -9,51 +9,89 @@ import torch
 
 from engine.rejection import rejection_sample
 from engine.request import Request
-from engine.sampler import SamplingTensors, exponential_noise, processed_probs, uniform_noise
+from engine.sampler import SamplingTensors, depth_noise, exponential_noise, processed_probs, uniform_noise
+from engine.tree import ancestor_matrix, chain_parents, tree_sample
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """The proposals of one verify step, one row per request (rows with k = 0 propose nothing)."""
+
+    token_ids: torch.Tensor  # [B, K] long, -1 beyond each row's count
+    parents: torch.Tensor | None = None  # [B, K] long tree parents (engine/tree.py); None: every row is a chain
+    probs: torch.Tensor | None = None  # [P, K, V] q of the rows in prob_rows (sampled chains); the rest are one-hot
+    prob_rows: tuple[int, ...] = ()
 
 
 @dataclass
 class VerifyResult:
     tokens: list[list[int]]  # per request: the emitted tokens (accepted drafts, then one recovered/bonus token)
     num_accepted: list[int]  # draft tokens emitted per request
-    num_accepted_independent: list[int]
+    paths: list[list[int]]  # per request: node of each emitted token's row (0 = the last token, then accepted nodes)
     non_finite: list[bool]  # the target's logits for this request held NaN/inf: its tokens must not be used
     logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None]  # per request, per emitted token
 
 
-def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], draft_ids: torch.Tensor,
-           draft_probs: torch.Tensor | None, default_generator: torch.Generator) -> VerifyResult:
-    """logits [N, V]: request b owns rows off_b .. off_b + k_b (N = sum(k_b + 1)); draft_ids [B, K]; probs [B, K, V]."""
+def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], drafts: DraftBatch,
+           default_generator: torch.Generator) -> VerifyResult:
+    """logits [N, V]: request b owns rows off_b .. off_b + k_b (N = sum(k_b + 1)), row j the target after node j.
+
+    Rows with draft probabilities go through the chain rejection sampler (residual rule); one-hot rows (lookups,
+    trees) through the tree rule, of which a one-hot chain is the special case."""
     device, vocab = logits.device, logits.shape[-1]
+    draft_ids = drafts.token_ids
     batch, k_max = len(requests), draft_ids.shape[1]
     num_draft = torch.tensor(ks, device=device)
     offsets = torch.cumsum(num_draft + 1, 0) - (num_draft + 1)  # [B] first row of each request
     j = torch.arange(k_max + 1, device=device)[None, :]
     pad_index = offsets[:, None] + torch.minimum(j, num_draft[:, None])  # [B, K+1]; padding repeats the last row
+    parents = drafts.parents if drafts.parents is not None else chain_parents(batch, k_max, device)
+    parents = torch.where(j[:, 1:] <= num_draft[:, None], parents, torch.zeros_like(parents))  # padding: leaves
+    ancestors = ancestor_matrix(parents)  # [B, K+1, K+1]
     row_params = [r.params for r, k in zip(requests, ks) for _ in range(k + 1)]
     st = SamplingTensors.from_params(row_params, device)
-    counts = _penalty_counts(requests, ks, draft_ids, vocab) if st.any_penalty else None
-    p_rows = processed_probs(logits, st, counts)  # [N, V]
+    counts = _penalty_counts(requests, ks, draft_ids, ancestors, vocab) if st.any_penalty else None
+    p_nodes = processed_probs(logits, st, counts)[pad_index]  # [B, K+1, V]
     gens = [r.generator for r in requests]
-    uniforms = uniform_noise(gens, ks, k_max, default_generator, device)  # [B, K]
-    # [B, V]; an all-greedy batch samples one-hot rows, for which any positive noise gives the argmax
-    noise = torch.ones(batch, vocab, device=device) if st.all_greedy else \
-        exponential_noise(gens, vocab, default_generator, device)
-    out = rejection_sample(p_rows[pad_index], draft_probs, draft_ids, num_draft, uniforms, noise)
-    lp = _logprob_tensors(logits, requests, pad_index, out.output_token_ids)
+    tokens = torch.full((batch, k_max + 1), -1, dtype=torch.long, device=device)
+    emitted = torch.zeros(batch, dtype=torch.long, device=device)
+    path = torch.minimum(j, num_draft[:, None]).clone()  # [B, K+1] chains: node j is row j
+    chain = list(drafts.prob_rows)
+    if chain:
+        idx = torch.tensor(chain, device=device)
+        sub = [gens[b] for b in chain]
+        uniforms = uniform_noise(sub, [ks[b] for b in chain], k_max, default_generator, device)  # [P, K]
+        noise = torch.ones(len(chain), vocab, device=device) if st.all_greedy else \
+            exponential_noise(sub, vocab, default_generator, device)  # [P, V]
+        out = rejection_sample(p_nodes[idx], drafts.probs, draft_ids[idx], num_draft[idx], uniforms, noise)
+        tokens[idx], emitted[idx] = out.output_token_ids, out.num_emitted_draft_tokens
+        path[idx] = torch.minimum(j, out.num_emitted_draft_tokens[:, None])
+    one_hot = [b for b in range(batch) if b not in set(chain)]
+    if one_hot:
+        idx = torch.tensor(one_hot, device=device)
+        sub = [gens[b] for b in one_hot]
+        noise = torch.ones(len(one_hot), k_max + 1, vocab, device=device) if st.all_greedy else \
+            depth_noise(sub, [ks[b] + 1 for b in one_hot], k_max + 1, vocab, default_generator, device)  # [O, K+1, V]
+        t, m, pth = tree_sample(p_nodes[idx], draft_ids[idx].clamp_min(0), parents[idx], ancestors[idx],
+                                num_draft[idx], noise)
+        tokens[idx], emitted[idx], path[idx] = t, m, pth
+    emit_index = offsets[:, None] + path  # [B, K+1] logits row of each emitted token
+    lp = _logprob_tensors(logits, requests, emit_index, tokens)
     bad_rows = (~torch.isfinite(logits).all(dim=-1)).long()  # [N]
     bad = torch.zeros(batch, dtype=torch.long, device=device).index_add_(
         0, torch.repeat_interleave(torch.arange(batch, device=device), num_draft + 1), bad_rows)  # [B]
-    host = torch.cat([out.output_token_ids, out.num_emitted_draft_tokens[:, None],
-                      out.num_accepted_independent[:, None], bad[:, None]], dim=1).tolist()  # the one host sync
-    emitted = [row[k_max + 1] for row in host]
-    tokens = [row[: m + 1] for row, m in zip(host, emitted)]
-    return VerifyResult(tokens, emitted, [row[k_max + 2] for row in host], [row[k_max + 3] > 0 for row in host],
-                        _logprob_lists(lp, requests, emitted))
+    host = torch.cat([tokens, path, emitted[:, None], bad[:, None]], dim=1).tolist()  # the one host sync
+    w = k_max + 1
+    counts_m = [row[2 * w] for row in host]
+    return VerifyResult([row[: m + 1] for row, m in zip(host, counts_m)], counts_m,
+                        [row[w: w + m + 1] for row, m in zip(host, counts_m)], [row[2 * w + 1] > 0 for row in host],
+                        _logprob_lists(lp, requests, counts_m))
 
 
-def _penalty_counts(requests: list[Request], ks: list[int], draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, V]: occurrences of each token among the output tokens before each verified position, drafts included."""
+def _penalty_counts(requests: list[Request], ks: list[int], draft_ids: torch.Tensor, ancestors: torch.Tensor,
+                    vocab: int) -> torch.Tensor:
+    """[N, V]: occurrences of each token among the output tokens before each verified position: the request's
+    output, then the proposed tokens on the node's own path (a chain's path is every draft before it)."""
     device = draft_ids.device
     outs = [r.output_token_ids for r in requests]
     width = max(1, max(len(o) for o in outs))
@@ -63,7 +101,7 @@ def _penalty_counts(requests: list[Request], ks: list[int], draft_ids: torch.Ten
     base = torch.zeros(len(outs), vocab + 1, device=device)
     base.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
     drafts = torch.nn.functional.one_hot(draft_ids.clamp_min(0), vocab).float() * (draft_ids >= 0)[..., None]
-    before = torch.cat([drafts.new_zeros(len(outs), 1, vocab), drafts.cumsum(1)], dim=1)  # [B, K+1, V]
+    before = torch.bmm(ancestors[:, :, 1:].float(), drafts)  # [B, K+1, V] tokens of nodes on each node's path
     per_pos = base[:, None, :vocab] + before
     rows = [(b, j) for b, k in enumerate(ks) for j in range(k + 1)]
     b_idx = torch.tensor([b for b, _ in rows], device=device)
@@ -71,13 +109,13 @@ def _penalty_counts(requests: list[Request], ks: list[int], draft_ids: torch.Ten
     return per_pos[b_idx, j_idx]
 
 
-def _logprob_tensors(logits, requests, pad_index, out_ids):
+def _logprob_tensors(logits, requests, emit_index, out_ids):
     want = [b for b, r in enumerate(requests) if r.params.logprobs is not None]
     if not want:
         return None
     top_n = max(1, max(requests[b].params.logprobs for b in want))
     idx = torch.tensor(want, device=logits.device)
-    logsm = torch.log_softmax(logits[pad_index[idx]], dim=-1)  # [W, K+1, V] of the target's raw logits
+    logsm = torch.log_softmax(logits[emit_index[idx]], dim=-1)  # [W, K+1, V] of the target's raw logits
     chosen = logsm.gather(-1, out_ids[idx].clamp_min(0)[..., None]).squeeze(-1)  # [W, K+1]
     top = logsm.topk(top_n, dim=-1)
     return want, chosen, top.values, top.indices

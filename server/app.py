@@ -15,6 +15,8 @@ from sse_starlette.sse import AppStatus
 from config.schema import AppConfig
 from engine.async_engine import AsyncEngine
 from engine.loader import DEMO_MODEL_NAME, is_gguf
+from engine.proposers.prediction import DEFAULT_K as PREDICTION_K
+from engine.proposers.registry import canonical
 from server.auth import resolve_api_key
 from server.errors import BodyLimitMiddleware, install_error_handlers
 from server.metrics import Metrics
@@ -51,7 +53,8 @@ async def _load(engine: AsyncEngine) -> None:
 
 def create_app(config: AppConfig) -> FastAPI:
     name = served_model_name(config)
-    metrics = Metrics(name, config.engine.method, config.engine.num_speculative_tokens)
+    ks = [m.num_speculative_tokens for m in config.engine.speculative_methods] + [PREDICTION_K]
+    metrics = Metrics(name, canonical(config.engine.method), max(ks))
     engine = AsyncEngine(config.engine, on_step=metrics.on_step)
 
     @contextlib.asynccontextmanager

@@ -11,8 +11,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model: local HF directory, .gguf file or hub id (default: the demo "
                                    "target SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (default: bundled demo draft)")
-    p.add_argument("--speculative-method", choices=["draft", "none"], help="default: draft when a draft exists")
+    from config.loader import METHODS
+    p.add_argument("--speculative-method", choices=METHODS, type=str.lower,
+                   help="default: draft when a draft exists")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens verified per step")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix looked up")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix looked up")
+    p.add_argument("--prompt-lookup-branches", type=int, default=1,
+                   help="ngram: a tree of up to this many continuations (1: a chain)")
+    p.add_argument("--speculative-config", help="vLLM's JSON (an object or a list of methods)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 where supported) | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda[:N]")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")
@@ -27,7 +34,9 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft_model=args.draft_model, speculative_method=args.speculative_method,
               num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed,
-              chat_template=args.chat_template)
+              chat_template=args.chat_template, prompt_lookup_min=args.prompt_lookup_min,
+              prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_branches=args.prompt_lookup_branches,
+              speculative_config=args.speculative_config)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     out = llm.generate([args.prompt], params)[0]

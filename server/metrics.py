@@ -87,16 +87,16 @@ class Metrics:
         now = time.monotonic()
         m, k = self.model, self.method
         if s.num_drafts:
-            self.num_drafts.labels(m, k).inc(s.num_drafts)
-            self.num_draft_tokens.labels(m, k).inc(s.num_draft_tokens)
-            self.num_accepted_tokens.labels(m, k).inc(s.num_accepted_tokens)
-            for pos, n in enumerate(s.num_accepted_tokens_per_pos):
-                self.accepted_per_pos.labels(m, k, str(pos)).inc(n)
-            for n in s.accepted_lengths:
-                self.accepted_length.labels(m, k).observe(n)
-            for n in s.speculative_tokens_chosen:
-                self.chosen_k.labels(m, k).observe(n)
-            self.draft_seconds.labels(m, k).observe(s.draft_seconds)
+            # per drafting sequence, labelled with its request's method (requests may choose theirs)
+            for method, chosen, length in zip(s.draft_methods, s.speculative_tokens_chosen, s.accepted_lengths):
+                self.num_drafts.labels(m, method).inc()
+                self.num_draft_tokens.labels(m, method).inc(chosen)
+                self.num_accepted_tokens.labels(m, method).inc(length - 1)
+                for pos in range(chosen):  # every proposed position gets its series, accepted or not
+                    self.accepted_per_pos.labels(m, method, str(pos)).inc(1 if pos < length - 1 else 0)
+                self.accepted_length.labels(m, method).observe(length)
+                self.chosen_k.labels(m, method).observe(chosen)
+            self.draft_seconds.labels(m, k).observe(s.draft_seconds)  # per step: the server's default method
             self._update_acceptance(now, s.num_draft_tokens, s.num_accepted_tokens)
         if s.step_seconds:
             self.verify_seconds.labels(m, k).observe(s.verify_seconds)

@@ -92,6 +92,7 @@ class _SamplingFields(_Request):
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
+    speculative_method: str | None = None  # one of the methods the server loaded, or "none"
     # accepted only with the one value that means "nothing to do"; anything else is a 400 naming the field
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -121,7 +122,8 @@ class _SamplingFields(_Request):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int,
+                        prediction: list[int] | None = None) -> SamplingParams:
         """The single conversion to engine params. Choice i of n uses seed + i (documented)."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -130,12 +132,23 @@ class _SamplingFields(_Request):
             seed=None if self.seed is None else (self.seed + choice) % (2 ** 63),
             max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            num_speculative_tokens=self.num_speculative_tokens)
+            num_speculative_tokens=self.num_speculative_tokens, speculative_method=self.speculative_method,
+            prediction=prediction)
 
 
 _CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                     "prediction", "reasoning_effort", "web_search_options", "metadata", "service_tier",
+                     "reasoning_effort", "web_search_options", "metadata", "service_tier",
                      "prompt_cache_key", "safety_identifier", "verbosity")
+
+
+class PredictionContent(_Strict):
+    """OpenAI's Predicted Outputs: text the completion is expected to (mostly) repeat."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -153,7 +166,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
     parallel_tool_calls: Any = None
     audio: Any = None
-    prediction: Any = None
+    prediction: PredictionContent | None = None
     reasoning_effort: Any = None
     web_search_options: Any = None
     metadata: Any = None

@@ -8,6 +8,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from engine.tokens import encode_prompt, encode_rendered
 from server.auth import require_api_key
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE
@@ -64,8 +65,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ready(request)
     check_model(ctx, body.model)
     prompt = render_chat_prompt(ctx.tokenizer, body)
-    ids = ctx.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i)) for i in range(body.n)]
+    ids = encode_rendered(ctx.tokenizer, prompt)
+    predicted = None
+    if body.prediction is not None:  # tokenised here like the prompt (the engine thread keeps its own tokenizer)
+        predicted = encode_rendered(ctx.tokenizer, body.prediction.text())
+    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i, predicted))
+            for i in range(body.n)]
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
     done = _logger(request, rid, "chat", len(ids), prompt)
@@ -84,7 +89,7 @@ async def completions(body: CompletionRequest, request: Request):
     ctx = _ready(request)
     check_model(ctx, body.model)
     prompts = body.prompts()
-    ids = [ctx.tokenizer(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
+    ids = [encode_prompt(ctx.tokenizer, p) if isinstance(p, str) else p for p in prompts]
     jobs = [(p, body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i))
             for p in ids for i in range(body.n)]
     rid = new_id("cmpl")

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.client import EngineClient
 from engine.request import RequestOutput, TokenLogprob
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -15,7 +16,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 
 @dataclass
 class ServingContext:
-    engine: object  # AsyncEngine (EngineClient with submit)
+    engine: EngineClient
     model_name: str
     request_timeout: float | None = None
 
@@ -107,8 +108,14 @@ def speculation_sum(outs: list[RequestOutput]) -> dict:
 
 def usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
     completion = sum(len(o.output_token_ids) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    predicted = [o.speculation for o in outs if o.speculation.accepted_prediction_tokens is not None]
+    if predicted:  # Predicted Outputs: OpenAI's counts (rejected = prediction tokens absent from the completion)
+        out["completion_tokens_details"] = {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": sum(s.accepted_prediction_tokens for s in predicted),
+            "rejected_prediction_tokens": sum(s.rejected_prediction_tokens for s in predicted)}
+    return out
 
 
 def finish_reason(out: RequestOutput) -> str | None:

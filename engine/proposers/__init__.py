@@ -1,1 +1,2 @@
-"""Proposers: the ways specserve guesses draft tokens for the target to verify."""
+"""Proposers: the ways specserve guesses draft tokens for the target to verify (one file per method, one entry in
+`registry.py`)."""

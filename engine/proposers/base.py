@@ -1,8 +1,18 @@
-"""The Proposer protocol every speculation method implements."""
+"""The contract every speculation method implements, and what it is given to build itself.
+
+A step runs, for the rows the scheduler gave a speculative budget k_i:
+  1. `propose(requests, ks, generator)` -> a Proposal with at most ks[i] tokens per row (possibly none): a chain,
+     or a tree of one-hot candidates (parents per node, engine/tree.py) when the method declares `tree`;
+  2. one target forward over every row's last token + its proposed nodes, then verification (engine/verifier.py);
+  3. `on_hidden(requests, chunks)` for methods that declared `hidden_layers`: the target's hidden states of the
+     tokens whose K/V the target kept this step (prefill chunks too, when `hidden_rows == "all"`);
+  4. `on_verified(requests, rows)`: per row, the tokens emitted and how many proposed tokens were accepted.
+Per-request state belongs to the proposer (keyed by request id), told about preemption and free by the engine.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -11,18 +21,120 @@ from engine.request import Request
 
 
 @dataclass(frozen=True)
+class ProposerNeeds:
+    """What a method asks of the engine; the engine reads this, never the method's class."""
+
+    draft_model: bool = False  # loads a draft model (its path comes from the method's config)
+    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states it reads (engine/hidden.py ids)
+    hidden_rows: str = "verified"  # "verified": the kept rows that produced tokens; "all": every kept token
+    returns_probs: bool = False  # proposals carry the exact distributions the tokens were drawn from (chains)
+    tree: bool = False  # proposals may branch (one-hot candidates only)
+
+
+@dataclass(frozen=True)
+class HiddenChunk:
+    """Target hidden states of consecutive positions start, start + 1, ... of one request (K/V kept)."""
+
+    start: int
+    states: dict[int, torch.Tensor]  # layer id -> [n, H]
+
+
+@dataclass(frozen=True)
 class Proposal:
-    token_ids: torch.Tensor  # [S, K] long on the device; -1 beyond each row's k
-    probs: torch.Tensor | None  # [S, K, V] exactly the distributions the tokens were drawn from; None = one-hot
+    token_ids: torch.Tensor  # [S, K] long on the device; -1 beyond each row's count
+    num_tokens: list[int]  # [S] tokens proposed per row: 0 <= num_tokens[i] <= the k the row was given
+    probs: torch.Tensor | None = None  # [S, K, V] the distributions the tokens were drawn from; None = one-hot
+    parents: list[list[int]] | None = None  # [S][n] tree parent of each node (0 = the last token); None = chains
+
+
+@dataclass(frozen=True)
+class VerifiedRow:
+    """What verification did with one row's proposal."""
+
+    num_proposed: int
+    num_accepted: int  # proposed tokens emitted before the first rejection
+    emitted: list[int] = field(default_factory=list)  # accepted tokens + the target's own (recovered / bonus) one
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """Built once by the engine for every loaded method."""
+
+    target_path: str
+    target_config: object  # the target's HF config
+    tokenizer: object
+    vocab_size: int  # the target's
+    device: torch.device
+    dtype: torch.dtype
+    trust_remote_code: bool = False
+    tree_attention: bool = True  # the target can verify trees (no sliding-window or chunked layers)
 
 
 class Proposer(Protocol):
-    method: str
+    name: str
+    needs: ProposerNeeds
+    num_speculative_tokens: int  # the most tokens it proposes per step (a request may ask for fewer)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes it keeps per token of a sequence (a draft model's cache; 0 for stateless lookups)."""
+        ...
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        """Allocate its own cache once the engine has sized the shared block budget (block ids are shared)."""
+        ...
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
-        """Draft ks[i] tokens for requests[i] (every ks[i] >= 1), consuming seeded requests' generators only."""
+        """Up to ks[i] >= 1 tokens for requests[i], consuming seeded requests' generators only."""
         ...
 
-    def rollback(self, request: Request) -> None:
-        """After verification: forget state past the tokens the request actually kept."""
+    def on_hidden(self, requests: list[Request], chunks: list[HiddenChunk]) -> None:
+        """Only for methods with `needs.hidden_layers`: chunks[i] for requests[i], after the tokens are appended."""
         ...
+
+    def on_verified(self, requests: list[Request], rows: list[VerifiedRow]) -> None:
+        """After the tokens are appended to each request (rows[i] for requests[i])."""
+        ...
+
+    def on_preempt(self, request: Request) -> None:
+        """The request's KV blocks were dropped; it will be recomputed from its tokens."""
+        ...
+
+    def on_free(self, request: Request) -> None:
+        """The request finished or was aborted: forget it."""
+        ...
+
+
+def chain_proposal(drafts: list[list[int]], device: torch.device, parents: list[list[int]] | None = None
+                   ) -> Proposal:
+    """One-hot chains (or trees, with `parents`) of varying size (possibly empty) -> a Proposal."""
+    ids = torch.full((len(drafts), max(1, max(len(d) for d in drafts))), -1, dtype=torch.long)
+    for i, d in enumerate(drafts):
+        ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+    return Proposal(ids.to(device), [len(d) for d in drafts], parents=parents)
+
+
+class LookupProposer:
+    """Base of model-free methods that draft from token sequences: no KV cache, and nothing to undo after
+    verification or preemption (tokens are only ever appended); per-request state is dropped at free."""
+
+    needs = ProposerNeeds()
+    max_model_len = None
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._state: dict[str, object] = {}
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def on_verified(self, requests: list[Request], rows: list[VerifiedRow]) -> None:
+        pass  # the state catches up with the appended tokens at the next propose
+
+    def on_preempt(self, request: Request) -> None:
+        pass  # a preemption drops KV, never tokens
+
+    def on_free(self, request: Request) -> None:
+        self._state.pop(request.request_id, None)

@@ -1,38 +1,68 @@
-"""Draft-model proposer: a small LM sharing the target's tokenizer, with its own paged KV cache.
+"""Draft-model proposer: a small LM sharing the target's tokenizer (or mapped onto a sub-vocabulary of it), with its
+own paged KV cache indexed by the same block ids as the target's.
 
 Each round it first feeds whatever it has not seen (the last emitted token; two tokens after a fully accepted
-round, since it never fed its own last draft; the whole prompt the first time), then drafts k tokens
-autoregressively, one batched forward per position, dropping rows whose k is reached.
+round, since it never fed its own last draft; the whole prompt the first time or after a preemption), then drafts
+k tokens autoregressively, one batched forward per position, dropping rows whose k is reached.
 """
 
 from __future__ import annotations
 
 import torch
 
+from config.schema import SpeculativeMethodConfig
 from engine.attention import SeqChunk
+from engine.kv_cache import KVPool, kv_bytes_per_token
+from engine.loader import check_draft_compatible, check_model_path, is_gguf, load_model
 from engine.model_runner import ModelRunner
+from engine.proposers.base import Proposal, ProposerContext, ProposerNeeds, VerifiedRow
 from engine.request import Request
 from engine.sampler import SamplingTensors, exponential_noise, processed_probs, sample
-from engine.spec.base import Proposal
+from engine.vocab_map import load_vocab_map
 
 
 class DraftModelProposer:
-    method = "draft"
+    name = "draft"
+    needs = ProposerNeeds(draft_model=True, returns_probs=True)
 
-    def __init__(self, runner: ModelRunner, device: torch.device):
-        self.runner = runner
+    def __init__(self, model, vocab_size: int, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,
+                 vocab_map=None):
+        self.model = model
+        self.vocab_size = vocab_size
         self.device = device
+        self.dtype = dtype
+        self.vocab_map = vocab_map
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_model_len = model.config.max_position_embeddings
+        self.runner: ModelRunner | None = None  # once bind_kv sized its cache
+        self._computed: dict[str, int] = {}  # request id -> positions whose draft K/V are valid
+
+    @classmethod
+    def load(cls, cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> "DraftModelProposer":
+        check_model_path(cfg.model, "draft_model")
+        draft = load_model(cfg.model, ctx.dtype, ctx.device, ctx.trust_remote_code, field="draft_model")
+        draft_map = None if is_gguf(cfg.model) else load_vocab_map(cfg.model, ctx.vocab_size, ctx.device)
+        check_draft_compatible(ctx.target_path, cfg.model, ctx.tokenizer, ctx.target_config, draft.config, draft_map)
+        return cls(draft, ctx.vocab_size, ctx.device, ctx.dtype, cfg.num_speculative_tokens, draft_map)
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model.config, self.dtype)
+
+    def bind_kv(self, num_blocks: int, block_size: int) -> None:
+        kv = KVPool.allocate(self.model.config, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, kv, self.device, self.vocab_size, self.vocab_map)
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
-        num, k_max, vocab = len(requests), max(ks), self.runner.vocab_size
+        num, k_max, vocab = len(requests), max(ks), self.vocab_size
         token_ids = torch.full((num, k_max), -1, dtype=torch.long, device=self.device)  # [S, K]
         probs = torch.zeros(num, k_max, vocab, device=self.device)  # [S, K, V]
         st_all = SamplingTensors.from_params([r.params for r in requests], self.device, penalties=False)
         # catch-up forward: every token the draft has not seen yet; logits at each sequence's last token
         chunks, ids = [], []
         for req in requests:
-            new = req.token_ids[req.num_draft_computed_tokens:]
-            chunks.append(SeqChunk(req.block_ids, req.num_draft_computed_tokens, len(new)))
+            done = self._computed.get(req.request_id, 0)
+            new = req.token_ids[done:]
+            chunks.append(SeqChunk(req.block_ids, done, len(new)))
             ids.extend(new)
         last_rows = torch.cumsum(torch.tensor([c.num_new for c in chunks]), 0) - 1
         logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), chunks, last_rows)  # [S, V]
@@ -56,12 +86,22 @@ class DraftModelProposer:
             keep_idx = torch.tensor(keep, device=self.device)
             logits = self.runner.forward(drafted[keep_idx], chunks, torch.arange(len(active)))
         for req, k in zip(requests, ks):
-            req.num_draft_computed_tokens = len(req.token_ids) + k - 1
-        return Proposal(token_ids, probs)
+            self._computed[req.request_id] = len(req.token_ids) + k - 1
+        return Proposal(token_ids, list(ks), probs)
 
-    def rollback(self, request: Request) -> None:
-        # valid draft K/V: all kept tokens except the newest one, which the draft has not fed yet
-        request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, len(request.token_ids) - 1)
+    def on_verified(self, requests: list[Request], rows: list[VerifiedRow]) -> None:
+        for req in requests:  # valid draft K/V: every kept token but the newest, which the draft has not fed yet
+            if req.request_id in self._computed:
+                self._computed[req.request_id] = min(self._computed[req.request_id], len(req.token_ids) - 1)
+
+    def on_preempt(self, request: Request) -> None:
+        self._computed.pop(request.request_id, None)  # its blocks are gone: catch up from position 0
+
+    def on_free(self, request: Request) -> None:
+        self._computed.pop(request.request_id, None)
+
+    def num_computed(self, request: Request) -> int:
+        return self._computed.get(request.request_id, 0)
 
 
 def _select(st: SamplingTensors, idx: torch.Tensor) -> SamplingTensors:

@@ -68,7 +68,7 @@ def generate_set(model: str, out: str | Path, max_minutes: float, max_tokens: in
             params = SamplingParams(temperature=_temperature(*divmod(j, n)), max_tokens=max_tokens, logprobs=top_k,
                                     seed=seed + j)
             req = engine.make_request(f"gen-{j}", chat_text(engine.tokenizer, prompts[j % n]), params)
-            engine.add_request(req, enforce_queue_limit=False)
+            engine.add_request(req)
             pending[req.request_id] = j
         if not pending:
             break

@@ -143,3 +143,47 @@ def test_prompt_text_in_logs_only_when_asked(tiny):
     lines = [json.loads(line) for line in s.proc.stdout.read().splitlines() if line.startswith("{")]
     entry = next(x for x in lines if x.get("message") == "request finished")
     assert entry["prompt"] == ["visible prompt"] and len(entry["completions"]) == 1
+
+
+@pytest.fixture(scope="module")
+def lookup_server(tiny):
+    """The draft model and ngram loaded together through vLLM's --speculative-config (draft is the default)."""
+    cfg = json.dumps([{"method": "draft", "model": str(tiny["llama_draft"]), "num_speculative_tokens": 3},
+                      {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}])
+    s = Server(tiny, "--speculative-config", cfg, "--max-num-seqs", "4")
+    yield s
+    s.stop()
+
+
+def test_openai_sdk_predicted_outputs_and_per_request_method(lookup_server):
+    client = openai.OpenAI(base_url=lookup_server.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Rewrite: the quick brown fox"}]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True, "speculative_method": "none"})
+    assert plain.model_extra["speculation"]["method"] == "none"
+    text = plain.choices[0].message.content
+    right = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                           prediction={"type": "content", "content": text},
+                                           extra_body={"ignore_eos": True})
+    assert right.choices[0].message.content == text  # a prediction never changes the output
+    spec = right.model_extra["speculation"]
+    assert spec["method"] == "prediction" and spec["num_accepted_tokens"] > 0
+    # a random model's tokens are not what its text re-tokenises to, so only part of the prediction matches here
+    # (tests/engine/test_proposers.py: token-exact predictions are all accepted; the demo test: real text)
+    accepted = right.usage.completion_tokens_details.accepted_prediction_tokens
+    wrong = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                           prediction={"type": "content", "content": "zzzz " * 20},
+                                           extra_body={"ignore_eos": True})
+    assert wrong.choices[0].message.content == text
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    assert wrong.usage.completion_tokens_details.accepted_prediction_tokens < accepted
+    ngram = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0,
+                                           extra_body={"ignore_eos": True, "speculative_method": "ngram"})
+    assert ngram.choices[0].message.content == text and ngram.model_extra["speculation"]["method"] == "ngram"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=msgs, extra_body={"speculative_method": "medusa"})
+    assert err.value.body["param"] == "speculative_method"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=msgs, prediction={"type": "text", "content": "x"})
+    assert err.value.body["param"].startswith("prediction")
+    assert lookup_server.metric('specserve_spec_decode_num_draft_tokens_total{method="ngram",model="tiny"}') >= 0

@@ -49,6 +49,31 @@ def test_llm_without_arguments_serves_the_smollm2_demo_and_answers():
 
 
 @needs_demo
+def test_ngram_and_predicted_outputs_on_the_real_demo_target():
+    """A real model copies text it is asked to repeat, which n-gram lookup drafts from the prompt; a prediction
+    equal to the greedy answer (as text, re-tokenised) is nearly all accepted and changes nothing."""
+    llm = LLM(kv_cache_memory=64 << 20, seed=0, speculative_config='[{"method": "draft"}, {"method": "ngram"}]')
+
+    def chat(p):
+        return llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=False)
+    passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly "
+               "quick daft zebras jump.")
+    out = llm.generate(chat("Repeat the following text exactly, word for word:\n" + passage),
+                       SamplingParams(temperature=0, max_tokens=48, speculative_method="ngram"))[0]
+    s = out.speculation
+    assert "five dozen liquor jugs" in out.text and s.method == "ngram"
+    assert s.num_draft_tokens >= 16 and s.num_accepted_tokens / s.num_draft_tokens > 0.6  # 23 / 28 when written
+    q = chat("Write a Python function that returns the sum of a list.")
+    plain = llm.generate(q, SamplingParams(temperature=0, max_tokens=64, speculative_method="none"))[0]
+    pred = llm.generate(q, SamplingParams(temperature=0, max_tokens=64, prediction=plain.text))[0]
+    s = pred.speculation
+    assert pred.output_token_ids == plain.output_token_ids and s.method == "prediction"
+    assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens and s.num_steps <= 12  # 55 / 56 in 7 steps
+    assert s.rejected_prediction_tokens <= 2 and s.accepted_prediction_tokens >= 0.95 * len(plain.output_token_ids)
+
+
+@needs_demo
 def test_cli_generate_without_model_flags_offline():
     proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--max-tokens", "12",
                            "--kv-cache-memory", str(64 << 20), "The capital of France is"], capture_output=True,

@@ -5,6 +5,8 @@ forwards; the engine draws 10k samples with a *different* random draft (so rejec
 common) and a chi-square test compares. The same test with seed 002's biased resampling must fail.
 """
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -56,7 +58,7 @@ def _reference(logits: np.ndarray, kw: dict, counts: np.ndarray) -> np.ndarray:
     return p
 
 
-def _exact_law(target_path, kw) -> np.ndarray:
+def _exact_law(target_path, kw, prompt=PROMPT) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
 
     def next_probs(prefix, generated):
@@ -65,22 +67,23 @@ def _exact_law(target_path, kw) -> np.ndarray:
         return _reference(logits, kw, np.bincount(generated, minlength=V).astype(float))
 
     law = np.zeros((V, V, V))
-    p1 = next_probs(PROMPT, [])
+    p1 = next_probs(prompt, [])
     for a in range(V):
-        p2 = next_probs(PROMPT + [a], [a])
+        p2 = next_probs(prompt + [a], [a])
         for b in range(V):
-            law[a, b] = p1[a] * p2[b] * next_probs(PROMPT + [a, b], [a, b])
+            law[a, b] = p1[a] * p2[b] * next_probs(prompt + [a, b], [a, b])
     return law.ravel()
 
 
-def _p_value(target_path, draft_path, kw) -> float:
-    core = make_core(target_path, draft_path, k=2, max_num_seqs=2048, max_num_batched_tokens=8192,
-                     kv_cache_memory=1 << 26, seed=1)
-    outs = run(core, [PROMPT] * N, SamplingParams(max_tokens=4, ignore_eos=True, **kw))
+def _p_value(target_path, draft_path, kw, prompt=PROMPT, max_tokens=4, **engine) -> float:
+    engine = engine or dict(draft=draft_path, k=2)
+    core = make_core(target_path, max_num_seqs=2048, max_num_batched_tokens=8192, kv_cache_memory=1 << 26, seed=1,
+                     **engine)
+    outs = run(core, [prompt] * N, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
     seqs = np.array([o.output_token_ids[:3] for o in outs])  # t2, t3 come from one k = 2 chain
     assert sum(o.speculation.num_draft_tokens for o in outs) >= 2 * N  # the draft really proposed
     observed = np.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V ** 3).astype(float)
-    expected = _exact_law(target_path, kw) * N
+    expected = _exact_law(target_path, kw, prompt) * N
     assert observed[expected == 0].sum() == 0, "sampled a sequence the target law forbids"
     big = expected >= 5  # chi-square needs populated cells; pool the rest into one
     obs = np.append(observed[big], observed[~big].sum())
@@ -113,3 +116,24 @@ def mapped_draft(pair, tmp_path_factory):
 def test_sub_vocabulary_draft_keeps_target_law(pair, mapped_draft):
     """q is zero outside the draft's sub-vocabulary; the residual then supplies those tokens exactly."""
     assert _p_value(pair[0], mapped_draft, CASES["temperature_1"]) > 1e-3
+
+
+# every token occurs ~5 times with different followers: with 1-grams and 3 branches, the n-gram method proposes a
+# tree of up to 3 continuations of depth 2 (k = 6) after whatever token was sampled first
+TREE_PROMPT = [random.Random(3).randrange(V) for _ in range(30)]
+
+
+TREE_ENGINE = dict(max_tokens=8, speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_max=1, prompt_lookup_branches=3)
+
+
+@pytest.mark.parametrize("case", ["temperature_1", "penalties"])
+def test_ngram_tree_keeps_target_law(pair, case):
+    """The tree rule end to end (depth-indexed noise, path penalties, the accepted path's K/V moved)."""
+    assert _p_value(pair[0], None, CASES[case], TREE_PROMPT, **TREE_ENGINE) > 1e-3
+
+
+def test_tree_law_check_fails_on_a_lossy_tree_rule(pair, monkeypatch):
+    from tests.unit.test_tree import _lossy_tree_sample
+
+    monkeypatch.setattr("engine.verifier.tree_sample", _lossy_tree_sample)
+    assert _p_value(pair[0], None, CASES["temperature_1"], TREE_PROMPT, **TREE_ENGINE) < 1e-6

@@ -76,12 +76,13 @@ def test_kv_released_after_finish_and_abort(tiny):
     assert core.allocator.usage == 0.0
 
 
-def test_queue_full_and_limits(tiny):
+def test_duplicate_ids_and_limits(tiny):
+    """(The waiting-queue limit is AsyncEngine's admission control: tests/api test the 429.)"""
     core = make_core(tiny["llama"], max_queue_len=2, max_model_len=64)
-    for i in range(2):
-        core.add_request(core.make_request(f"q{i}", PROMPT, SamplingParams()))
-    with pytest.raises(QueueFullError):
-        core.add_request(core.make_request("q2", PROMPT, SamplingParams()))
+    core.add_request(core.make_request("q0", PROMPT, SamplingParams()))
+    with pytest.raises(InvalidRequestError) as err:
+        core.add_request(core.make_request("q0", PROMPT, SamplingParams()))
+    assert err.value.param == "request_id"
     with pytest.raises(RequestTooLongError) as err:
         core.make_request("long", [1] * 64, SamplingParams())
     assert err.value.code == "context_length_exceeded"

@@ -34,7 +34,7 @@ def test_faulty_requests_fail_alone(tiny, monkeypatch):
 
     reqs["r4"].detokenizer.append = broken
     for r in reqs.values():
-        core.add_request(r, enforce_queue_limit=False)
+        core.add_request(r)
     final = {}
     for _ in range(500):
         for out in core.step():

@@ -37,7 +37,9 @@ def test_llm_accepts_strings_token_ids_and_param_lists(tiny):
     assert [len(o.output_token_ids) for o in outs] == [3, 5]
     assert outs[1].prompt_token_ids == [5, 6, 7]
     assert outs[1].speculation.method == "draft"
-    assert set(vars(outs[1].speculation)) == {"method", "num_draft_tokens", "num_accepted_tokens", "num_steps"}
+    assert set(vars(outs[1].speculation)) == {"method", "num_draft_tokens", "num_accepted_tokens", "num_steps",
+                                              "accepted_prediction_tokens", "rejected_prediction_tokens"}
+    assert outs[1].speculation.accepted_prediction_tokens is None  # no prediction given
     single = llm.generate("café", SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(single) == 1
 

@@ -1,0 +1,99 @@
+"""One step's proposals: each speculative row asks its proposer (a request with a prediction asks the prediction
+first, then its method where the prediction offers nothing); the answers become one DraftBatch for verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.proposers.base import Proposal
+from engine.request import Request
+from engine.tree import check_tree
+from engine.verifier import DraftBatch
+
+
+@dataclass
+class RowProposal:
+    """What one row's proposer proposed (host lists; probs on the device)."""
+
+    owner: str  # the proposer's name
+    tokens: list[int]
+    parents: list[int] | None = None  # a tree (node j's parent at j - 1); None: a chain
+    probs: torch.Tensor | None = None  # [n, V] q of a sampled chain
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and self.parents != list(range(len(self.parents)))
+
+
+class ProposalRouter:
+    def __init__(self, proposers: dict, prediction, tree_attention: bool):
+        self.proposers = proposers  # name -> loaded method
+        self.prediction = prediction  # the engine-owned Predicted Outputs proposer
+        self.tree_attention = tree_attention
+
+    def all(self) -> list:
+        return [*self.proposers.values(), self.prediction]
+
+    def by_name(self, name: str):
+        return self.prediction if name == self.prediction.name else self.proposers[name]
+
+    def propose(self, requests: list[Request], ks: list[int], generator: torch.Generator) -> list[RowProposal | None]:
+        """Row i gets at most ks[i] >= 1 nodes, or None when its proposers have nothing."""
+        rows: list[RowProposal | None] = [None] * len(requests)
+
+        def ask(proposer, idx: list[int]) -> None:
+            caps = [min(ks[i], proposer.num_speculative_tokens) for i in idx]
+            prop = proposer.propose([requests[i] for i in idx], caps, generator)
+            rows_ids = prop.token_ids.tolist()
+            for j, i in enumerate(idx):
+                n = prop.num_tokens[j]
+                if n:
+                    rows[i] = self._row(proposer, prop, j, rows_ids[j][:n], caps[j])
+
+        predicted = [i for i, r in enumerate(requests) if r.prediction_token_ids]
+        if predicted:
+            ask(self.prediction, predicted)
+        by_method: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            if rows[i] is None and r.fallback_method in self.proposers:
+                by_method.setdefault(r.fallback_method, []).append(i)
+        for name, idx in by_method.items():
+            ask(self.proposers[name], idx)
+        return rows
+
+    def _row(self, proposer, prop: Proposal, j: int, tokens: list[int], cap: int) -> RowProposal:
+        """Checks what a proposer returned against the contract (a violation is a bug in that method)."""
+        if len(tokens) > cap or any(t < 0 for t in tokens):
+            raise RuntimeError(f"proposer {proposer.name}: row {j} proposed {tokens} with a budget of {cap}")
+        parents = None if prop.parents is None else list(prop.parents[j][: len(tokens)])
+        row = RowProposal(proposer.name, tokens, parents, None if prop.probs is None else prop.probs[j, : len(tokens)])
+        if row.is_tree:
+            if not (proposer.needs.tree and self.tree_attention) or row.probs is not None:
+                raise RuntimeError(f"proposer {proposer.name}: a tree where only chains are allowed")
+            check_tree(parents, tokens)
+        return row
+
+
+def draft_batch(rows: list[RowProposal | None], vocab: int, device: torch.device) -> DraftBatch:
+    """Rows of one verify step (None: no proposal) -> tensors, padded to the widest row."""
+    width = max([len(r.tokens) for r in rows if r is not None], default=0)
+    ids = torch.full((len(rows), width), -1, dtype=torch.long)
+    parents = None
+    if any(r is not None and r.is_tree for r in rows):
+        parents = torch.arange(width).repeat(len(rows), 1)  # chains: node j's parent is j - 1
+    for b, r in enumerate(rows):
+        if r is None:
+            continue
+        n = len(r.tokens)
+        ids[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
+        if parents is not None and r.parents is not None:
+            parents[b, :n] = torch.tensor(r.parents, dtype=torch.long)
+    prob_rows = tuple(b for b, r in enumerate(rows) if r is not None and r.probs is not None)
+    probs = None
+    if prob_rows:
+        probs = torch.zeros(len(prob_rows), width, vocab, device=device)  # [P, K, V]
+        for i, b in enumerate(prob_rows):
+            probs[i, : len(rows[b].tokens)] = rows[b].probs
+    return DraftBatch(ids.to(device), None if parents is None else parents.to(device), probs, prob_rows)

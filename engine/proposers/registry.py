@@ -1,0 +1,36 @@
+"""The speculation methods this engine can load: name -> module:class (imported only when a server loads it).
+
+Adding a method: write `engine/proposers/<name>.py` with a class implementing `base.Proposer` and a classmethod
+`load(method_config, context)`, and add one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+PROPOSERS = MappingProxyType({
+    "draft": "engine.proposers.draft_model:DraftModelProposer",
+    "ngram": "engine.proposers.ngram:NgramProposer",
+})
+ALIASES = MappingProxyType({"draft_model": "draft", "prompt_lookup": "ngram"})  # vLLM's and HF's names
+NONE = "none"
+
+
+def canonical(name: str) -> str:
+    name = name.strip().lower()
+    return ALIASES.get(name, name)
+
+
+def proposer_names() -> list[str]:
+    return sorted(PROPOSERS)
+
+
+def proposer_class(name: str, field: str = "speculative_method"):
+    """The class of method `name`; ValueError naming `field` for an unknown one."""
+    name = canonical(name)
+    if name not in PROPOSERS:
+        raise ValueError(f"{field}: unknown speculative method {name!r}; available: "
+                         f"{', '.join(proposer_names() + [NONE])}")
+    module, cls = PROPOSERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
