@@ -7,8 +7,9 @@ read either: attention gathers them as the pool's null block (see KVPool).
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import math
+import mmap
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,12 +29,16 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 class BlockAllocator:
-    """Hands out fixed-size KV blocks; both models' pools are indexed by the same block ids."""
+    """Hands out fixed-size KV blocks; both models' pools are indexed by the same block ids.
+
+    The free list is a stack (LIFO): the most recently freed blocks are reused first, so light traffic keeps
+    touching the same few blocks and the rest of a demand-zero pool never becomes resident memory (a FIFO queue
+    would cycle through every block)."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
 
     @property
     def num_free(self) -> int:
@@ -48,10 +53,10 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"KV cache exhausted: asked {n} blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        self._free.extend(reversed(blocks))
 
     @property
     def usage(self) -> float:
@@ -72,6 +77,7 @@ class KVPool:
     key_store: list[torch.Tensor]
     value_store: list[torch.Tensor]
     block_size: int
+    _mappings: list = field(default_factory=list, repr=False)  # keeps the CPU pools' anonymous mappings alive
 
     @property
     def num_blocks(self) -> int:
@@ -103,5 +109,20 @@ class KVPool:
     def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
         layers, kv_heads, head_dim = kv_geometry(config)
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)  # + the null block
-        return KVPool([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
-                      [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)], block_size)
+        mappings: list = []
+        keys = [_zeroed(shape, dtype, device, mappings) for _ in range(layers)]
+        values = [_zeroed(shape, dtype, device, mappings) for _ in range(layers)]
+        return KVPool(keys, values, block_size, mappings)
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, mappings: list) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it lives in an anonymous memory mapping, whose pages the OS zero-fills
+    on first touch: the pool costs resident memory only for the blocks actually written (torch.zeros would write
+    every page at start). Never uninitialised memory: the null block and unwritten slots must read as zeros."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buf = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()),
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mappings.append(buf)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)

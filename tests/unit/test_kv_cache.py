@@ -68,3 +68,32 @@ def test_kv_pool_shapes():
     for t in pool.key + pool.value:
         assert t.shape == (5, 8, 2, 16) and t.dtype == torch.bfloat16
     assert len({t.data_ptr() for t in pool.key + pool.value}) == 6  # no two layers share storage
+
+
+def test_freed_blocks_are_reused_last_in_first_out():
+    """Light traffic keeps reusing the same few blocks (a FIFO would walk the whole pool and touch all of it)."""
+    alloc = BlockAllocator(num_blocks=64, block_size=4)
+    assert alloc.allocate(3) == [0, 1, 2]
+    for _ in range(20):
+        blocks = alloc.allocate(2)
+        alloc.free(blocks)
+    assert blocks == [3, 4]
+
+
+def _resident_bytes() -> int:
+    import os
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cpu_pool_is_zero_and_costs_memory_only_where_written():
+    cfg = LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4)
+    before = _resident_bytes()
+    pool = KVPool.allocate(cfg, num_blocks=4096, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    size = sum(t.numel() * t.element_size() for t in pool.key_store + pool.value_store)
+    assert size >= 512 << 20
+    assert _resident_bytes() - before < size // 16  # demand-zero pages: nothing resident yet
+    for t in pool.key_store + pool.value_store:
+        t[:2] = 1.0  # write two blocks per layer
+    assert _resident_bytes() - before < size // 16
+    assert float(pool.key_store[0][2:10].abs().sum()) == 0.0 and float(pool.value_store[-1][-1].abs().sum()) == 0.0
