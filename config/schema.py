@@ -94,16 +94,10 @@ class EngineConfig:
         for ok, name, msg in checks:
             if not ok:
                 raise ValueError(f"{name}: {msg}")
-        from engine.proposers.registry import NONE, canonical, proposer_names  # light: no torch
+        from engine.proposers.registry import check_methods  # a light module: names only, no torch
 
-        if self.speculative_method is not None and canonical(self.speculative_method) not in (*proposer_names(), NONE):
-            raise ValueError(f"speculative_method: unknown method {self.speculative_method!r}; available: "
-                             f"{', '.join([*proposer_names(), NONE])}")
-        methods = self.speculative_methods  # parses and checks the JSON once, here
-        for m in methods:
-            if canonical(m.method) not in proposer_names():
-                raise ValueError(f"speculative_config.method: unknown method {m.method!r}; available: "
-                                 f"{', '.join(proposer_names())}")
+        check_methods(self)  # parses the JSON once, here; unknown or repeated methods
+        for m in self.speculative_methods:
             if m.method in ("draft", "draft_model") and m.model is None and self.model is not None:
                 raise ValueError("draft_model: speculative method 'draft' needs a draft model")
 

@@ -12,6 +12,7 @@ import torch
 
 from engine.errors import InvalidRequestError, RequestTooLongError
 from engine.proposers.prediction import DEFAULT_K as PREDICTION_K
+from engine.proposers.prediction import MAX_K as PREDICTION_MAX_K
 from engine.proposers.registry import NONE, canonical
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -60,7 +61,8 @@ class RequestBuilder:
                                       "speculative_method")
         prediction = self._prediction_ids(params.prediction)
         if prediction:  # Predicted Outputs: longer chains by default; the request's method fills in the gaps
-            k = params.num_speculative_tokens if params.num_speculative_tokens is not None else PREDICTION_K
+            k = PREDICTION_K if params.num_speculative_tokens is None else min(params.num_speculative_tokens,
+                                                                               PREDICTION_MAX_K)
         else:
             k = requested_k(params.num_speculative_tokens, self.method_ks[method]) if method != NONE else 0
         need = min(n + max_tokens + k, limit)

@@ -28,7 +28,7 @@ from engine.model_runner import ModelRunner
 from engine.proposal_batch import ProposalRouter, RowProposal, draft_batch
 from engine.proposers.base import ProposerContext
 from engine.proposers.prediction import PredictionProposer, prediction_usage
-from engine.proposers.registry import NONE, proposer_class
+from engine.proposers.registry import NONE, check_methods, proposer_class
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -91,13 +91,13 @@ class EngineCore:
 
     @staticmethod
     def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> dict:
-        field = "speculative_config.method" if config.speculative_config else "speculative_method"
+        check_methods(config)
         proposers = {}
         for m in config.speculative_methods:
-            cls = proposer_class(m.method, field)
-            if cls.name in proposers:
-                raise ValueError(f"{field}: method {cls.name!r} is listed twice")
+            cls = proposer_class(m.method)
             if cls.needs.draft_model and m.model is None:
+                if demo_draft is None:
+                    raise ValueError(f"draft_model: speculative method {cls.name!r} needs a draft model")
                 m = dataclasses.replace(m, model=str(demo_draft))  # the demo target's bundled draft
             proposers[cls.name] = cls.load(m, ctx)
         return proposers

@@ -15,7 +15,7 @@ from sse_starlette.sse import AppStatus
 from config.schema import AppConfig
 from engine.async_engine import AsyncEngine
 from engine.loader import DEMO_MODEL_NAME, is_gguf
-from engine.proposers.prediction import DEFAULT_K as PREDICTION_K
+from engine.proposers.prediction import MAX_K as PREDICTION_K
 from engine.proposers.registry import canonical
 from server.auth import resolve_api_key
 from server.errors import BodyLimitMiddleware, install_error_handlers

@@ -51,7 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _check_before_listening(engine) -> None:
     """Mistakes a user can fix, said before the server listens (models load after it does): a missing demo
-    package, an unreadable chat template."""
+    package, an unreadable chat template (unknown methods: the config's own check)."""
     from engine.loader import demo_model_paths, resolve_chat_template
 
     if engine.model is None:

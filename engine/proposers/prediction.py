@@ -20,6 +20,7 @@ from engine.request import Request
 
 MIN_N, MAX_N = 2, 8  # suffix lengths tried when re-aligning (a single token matches too much of a text)
 DEFAULT_K = 8  # tokens per step when the request does not set num_speculative_tokens (predictions are long runs)
+MAX_K = 16  # the most a request may ask for
 
 
 class PredictionAligner:
@@ -74,7 +75,7 @@ class PredictionProposer(LookupProposer):
     """Engine-owned (not a server method): active for requests that carry a prediction."""
 
     name = "prediction"
-    num_speculative_tokens = DEFAULT_K
+    num_speculative_tokens = MAX_K
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
         drafts = []

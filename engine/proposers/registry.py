@@ -26,6 +26,21 @@ def proposer_names() -> list[str]:
     return sorted(PROPOSERS)
 
 
+def check_methods(config) -> None:
+    """ValueError naming the field for an unknown method or one listed twice (an EngineConfig; no import of the
+    methods themselves, so the config and the CLI can say it before loading anything)."""
+    field = "speculative_config.method" if config.speculative_config else "speculative_method"
+    seen = set()
+    for m in config.speculative_methods:
+        name = canonical(m.method)
+        if name not in PROPOSERS:
+            raise ValueError(f"{field}: unknown speculative method {m.method!r}; available: "
+                             f"{', '.join(proposer_names() + [NONE])}")
+        if name in seen:
+            raise ValueError(f"{field}: method {name!r} is listed twice")
+        seen.add(name)
+
+
 def proposer_class(name: str, field: str = "speculative_method"):
     """The class of method `name`; ValueError naming `field` for an unknown one."""
     name = canonical(name)

@@ -211,3 +211,18 @@ def test_kubernetes_service_link_variables_are_ignored_or_explained():
 
     with pytest.raises(ValueError, match="enableServiceLinks"):
         build_config(None, env | {"SPECSERVE_PORT": "tcp://10.0.0.1:8000"})
+
+
+def test_unknown_or_repeated_methods_are_refused_before_anything_loads(tmp_path, capsys):
+    """Checked against the engine's registry (names only) by the config, from every source."""
+    from server.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(tmp_path), "--speculative-method", "medusa"])
+    with pytest.raises(ValueError, match="^speculative_method: unknown speculative method 'medusa'"):
+        build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "medusa"})
+    cfg = '[{"method": "ngram"}, {"method": "prompt_lookup"}]'
+    assert main(["serve", "--model", str(tmp_path), "--speculative-config", cfg]) == 2
+    assert "speculative_config.method: method 'ngram' is listed twice" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--speculative-config", '{"method": "ngram", "k": 2}']) == 2
+    assert "speculative_config.k: unknown key" in capsys.readouterr().err

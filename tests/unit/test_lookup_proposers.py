@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from engine.proposers.ngram import trie
 from engine.proposers.ngram_index import NgramIndex
 from engine.proposers.prediction import MIN_N, PredictionAligner, prediction_usage
 
@@ -54,6 +55,25 @@ def test_ngram_incremental_updates_equal_one_update_of_everything():
         for p in range(1, end + 1):
             partial.update(toks[:p])
         assert partial.lookup(toks[:end], 5) == fresh.lookup(toks[:end], 5)
+
+
+def test_ngram_continuations_latest_first_then_shorter_suffixes():
+    toks = [1, 2, 3, 9, 1, 2, 4, 8, 2, 7, 1, 2]
+    idx = NgramIndex(1, 2, keep=3)
+    idx.update(toks)
+    # suffix (1, 2): followed by 4 (latest) and 3; then the 1-gram (2): its occurrences before 4 and 3 are taken,
+    # so the next new one is the 2 followed by 7
+    assert idx.continuations(toks, 2, 3) == [[4, 8], [3, 9], [7, 1]]
+    assert idx.continuations(toks, 2, 1) == [[4, 8]] and idx.lookup(toks, 2) == [4, 8]
+    assert NgramIndex(1, 2, keep=1).continuations(toks, 2, 3) == []  # nothing indexed yet
+    with pytest.raises(ValueError, match="prompt_lookup_branches"):
+        NgramIndex(1, 2, keep=0)
+
+
+def test_trie_merges_shared_prefixes():
+    tokens, parents = trie([[5, 6, 7], [5, 6, 8], [9]])
+    assert tokens == [5, 6, 7, 8, 9] and parents == [0, 1, 2, 2, 0]
+    assert trie([]) == ([], [])
 
 
 def _follow(prediction, output, k=4):

@@ -1,0 +1,177 @@
+"""Every speculation method on one engine and two workloads: open-ended chat, and input-grounded work (edit a given
+code file, summarise a given passage). Methods run interleaved per repeat on the same loaded weights; speedup is
+the within-repeat ratio to plain decoding. Prints JSON (stdout or --out) and a markdown table (stderr).
+
+`python -m bench.methods --max-tokens 96 --repeats 2 --out methods.json`
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.spec_decode import _fmt, first_diff, machine_info
+from engine import LLM, SamplingParams
+
+CODE_FUNCTIONS = ("textwrap.indent", "fnmatch.filter", "shlex.join", "heapq.nsmallest")
+PASSAGE_MODULES = ("heapq", "difflib", "bisect")
+
+
+def _source(dotted: str) -> str:
+    module, name = dotted.rsplit(".", 1)
+    return inspect.getsource(getattr(__import__(module), name))
+
+
+def grounded_tasks(num: int) -> list[tuple[str, str]]:
+    """(user message, prediction) pairs built from this interpreter's standard library: the prediction is the
+    given text itself (an edit keeps most of it), as OpenAI suggests for Predicted Outputs."""
+    code_tasks, passage_tasks = [], []
+    for dotted in CODE_FUNCTIONS:
+        code = _source(dotted).strip()
+        code_tasks.append((f"Here is a Python function:\n\n```python\n{code}\n```\n\nAdd a one-line comment above "
+                           "the `return` statement and reply with the whole function, unchanged otherwise.", code))
+    for name in PASSAGE_MODULES:
+        passage = " ".join((__import__(name).__doc__ or "").split())[:900]
+        passage_tasks.append((f"Summarise the following passage in three sentences, reusing its wording:\n\n"
+                              f"{passage}", passage))
+    mixed = [t for pair in zip(code_tasks, passage_tasks) for t in pair] + code_tasks[len(passage_tasks):]
+    return mixed[:num]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.methods", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="target (default: the demo target, SmolLM2-135M-Instruct)")
+    ap.add_argument("--draft-model", default=None, help="draft for the draft method (default: the bundled one)")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the draft and ngram methods")
+    ap.add_argument("--ngram-branches", type=int, default=1, help="prompt_lookup_branches (> 1: n-gram trees)")
+    ap.add_argument("--prediction-k", type=int, default=8, help="num_speculative_tokens of Predicted Outputs")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def methods_for(workload: str, has_draft: bool) -> list[str]:
+    out = ["none"] + (["draft"] if has_draft else []) + ["ngram"]
+    return out + (["prediction"] if workload == "grounded" else [])
+
+
+def run_method(llm: LLM, prompts: list[str], predictions: list[str | None], method: str, args) -> tuple[list, float]:
+    outs, wall = [], 0.0
+    for i, (prompt, pred) in enumerate(zip(prompts, predictions)):
+        extra = dict(prediction=pred, speculative_method="none", num_speculative_tokens=args.prediction_k) \
+            if method == "prediction" else dict(speculative_method=method)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                seed=args.seed + i if args.temperature > 0 else None, **extra)
+        t0 = time.perf_counter()
+        outs += llm.generate(prompt, params)
+        wall += time.perf_counter() - t0
+    return outs, wall
+
+
+def summarise(runs: list[dict], methods: list[str], greedy: bool) -> list[dict]:
+    """runs[rep][method] = (outputs, wall seconds)."""
+    rows = []
+    plain = [sum(len(o.output_token_ids) for o in r["none"][0]) / r["none"][1] for r in runs]
+    for m in methods:
+        tps = [sum(len(o.output_token_ids) for o in r[m][0]) / r[m][1] for r in runs]
+        outs = [o for r in runs for o in r[m][0]]
+        drafted = sum(o.speculation.num_draft_tokens for o in outs)
+        accepted = sum(o.speculation.num_accepted_tokens for o in outs)
+        steps = sum(o.speculation.num_steps for o in outs)
+        row = {"method": m, "tokens_per_s": round(statistics.median(tps), 3),
+               "tokens_per_s_per_repeat": [round(t, 3) for t in tps],
+               "speedup": round(statistics.median([t / p for t, p in zip(tps, plain)]), 4),
+               "speedup_per_repeat": [round(t / p, 4) for t, p in zip(tps, plain)],
+               "num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_steps": steps,
+               "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+               "mean_accepted_length": round(1 + accepted / steps, 4) if steps else None,
+               "generated_tokens": sum(len(o.output_token_ids) for o in outs)}
+        if m == "prediction":
+            row["accepted_prediction_tokens"] = sum(o.speculation.accepted_prediction_tokens or 0 for o in outs)
+            row["rejected_prediction_tokens"] = sum(o.speculation.rejected_prediction_tokens or 0 for o in outs)
+        if greedy:
+            diffs = [first_diff(o.output_token_ids, p.output_token_ids) for r in runs
+                     for o, p in zip(r[m][0], r["none"][0])]
+            row["greedy_identical"] = all(d is None for d in diffs)
+            row["greedy_first_diffs"] = [d for d in diffs if d is not None]
+        rows.append(row)
+    return rows
+
+
+def table(report: dict) -> str:
+    a = report["args"]
+    lines = [f"machine: {report['machine']['cpu']} | threads {report['machine']['torch_threads']} | {a['dtype']} | "
+             f"batch 1 | {a['num_prompts']} prompts per workload x {a['max_tokens']} tokens x {a['repeats']} repeats "
+             f"| T = {a['temperature']} | k = {a['k']} (prediction {a['prediction_k']}), ngram branches "
+             f"{a['ngram_branches']}", "",
+             "| workload | method | tokens/s | speedup | acceptance α | τ | greedy identical |",
+             "|---|---|---|---|---|---|---|"]
+    for workload, rows in report["workloads"].items():
+        for r in rows:
+            sp = r["speedup_per_repeat"]
+            spread = f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 and r["method"] != "none" else ""
+            lines.append(f"| {workload} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x{spread} | "
+                         f"{_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'], '.2f')} | "
+                         f"{_fmt(r.get('greedy_identical'), '')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = [{"method": "draft", "num_speculative_tokens": args.k}] if args.model is None or args.draft_model else []
+    if config and args.draft_model:
+        config[0]["model"] = args.draft_model
+    config.append({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_branches": args.ngram_branches})
+    llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
+              kv_cache_memory=512 << 20, max_num_seqs=4, seed=args.seed)
+
+    def chat(text: str) -> str:
+        return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+    from engine.train.chat_prompts import heldout_prompts
+    questions = heldout_prompts()[: args.num_prompts]
+    tasks = grounded_tasks(args.num_prompts)
+    workloads = {"chat": ([chat(q) for q in questions], [None] * len(questions)),
+                 "grounded": ([chat(t) for t, _ in tasks], [p for _, p in tasks])}
+    has_draft = "draft" in llm.engine.proposers
+    info = machine_info(llm.engine.device)
+    info["loadavg_start"] = list(os.getloadavg())
+    llm.generate(workloads["chat"][0][0], SamplingParams(max_tokens=8))  # warm-up
+    runs: dict[str, list[dict]] = {w: [] for w in workloads}
+    for rep in range(args.repeats):
+        for w, (prompts, preds) in workloads.items():
+            runs[w].append({m: run_method(llm, prompts, preds, m, args) for m in methods_for(w, has_draft)})
+        print(f"[bench] repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+    info["loadavg_end"] = list(os.getloadavg())
+    report = {"benchmark": "methods", "machine": info, "args": vars(args), "speculative_config": config,
+              "prompts": {"chat": questions, "grounded": [t for t, _ in tasks]},
+              "workloads": {w: summarise(runs[w], methods_for(w, has_draft), args.temperature == 0)
+                            for w in workloads}}
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    else:
+        print(text)
+    print(table(report), file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()
