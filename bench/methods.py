@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.spec_decode import _fmt, first_diff, machine_info
+from config.schema import parse_k
 from engine import LLM, SamplingParams
 
 CODE_FUNCTIONS = ("textwrap.indent", "fnmatch.filter", "shlex.join", "heapq.nsmallest")
@@ -50,7 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.methods", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="target (default: the demo target, SmolLM2-135M-Instruct)")
     ap.add_argument("--draft-model", default=None, help="draft for the draft method (default: the bundled one)")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens of the draft and ngram methods")
+    ap.add_argument("--k", type=parse_k, default=4,
+                    help="num_speculative_tokens of the draft and ngram methods: an integer, or auto (adaptive, up "
+                         "to --max-k)")
+    ap.add_argument("--max-k", type=int, default=4, help="max_speculative_tokens when --k auto")
+    ap.add_argument("--fixed-k", type=int, default=None,
+                    help="with --k auto, also run each method with this fixed k per request (rows 'METHOD@k=N')")
     ap.add_argument("--ngram-branches", type=int, default=1, help="prompt_lookup_branches (> 1: n-gram trees)")
     ap.add_argument("--prediction-k", type=int, default=8, help="num_speculative_tokens of Predicted Outputs")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -65,16 +71,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def methods_for(workload: str, has_draft: bool) -> list[str]:
-    out = ["none"] + (["draft"] if has_draft else []) + ["ngram"]
+def methods_for(workload: str, has_draft: bool, fixed_k: int | None = None) -> list[str]:
+    base = (["draft"] if has_draft else []) + ["ngram"]
+    out = ["none"] + base + ([f"{m}@k={fixed_k}" for m in base] if fixed_k else [])
     return out + (["prediction"] if workload == "grounded" else [])
 
 
 def run_method(llm: LLM, prompts: list[str], predictions: list[str | None], method: str, args) -> tuple[list, float]:
     outs, wall = [], 0.0
     for i, (prompt, pred) in enumerate(zip(prompts, predictions)):
+        name, _, fixed = method.partition("@k=")
         extra = dict(prediction=pred, speculative_method="none", num_speculative_tokens=args.prediction_k) \
-            if method == "prediction" else dict(speculative_method=method)
+            if method == "prediction" else dict(speculative_method=name,
+                                                num_speculative_tokens=int(fixed) if fixed else None)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                 seed=args.seed + i if args.temperature > 0 else None, **extra)
         t0 = time.perf_counter()
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         config[0]["model"] = args.draft_model
     config.append({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_branches": args.ngram_branches})
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
-              kv_cache_memory=512 << 20, max_num_seqs=4, seed=args.seed)
+              kv_cache_memory=512 << 20, max_num_seqs=4, seed=args.seed, max_speculative_tokens=args.max_k)
 
     def chat(text: str) -> str:
         return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -157,12 +166,13 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, list[dict]] = {w: [] for w in workloads}
     for rep in range(args.repeats):
         for w, (prompts, preds) in workloads.items():
-            runs[w].append({m: run_method(llm, prompts, preds, m, args) for m in methods_for(w, has_draft)})
+            runs[w].append({m: run_method(llm, prompts, preds, m, args)
+                            for m in methods_for(w, has_draft, args.fixed_k)})
         print(f"[bench] repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
     info["loadavg_end"] = list(os.getloadavg())
     report = {"benchmark": "methods", "machine": info, "args": vars(args), "speculative_config": config,
               "prompts": {"chat": questions, "grounded": [t for t, _ in tasks]},
-              "workloads": {w: summarise(runs[w], methods_for(w, has_draft), args.temperature == 0)
+              "workloads": {w: summarise(runs[w], methods_for(w, has_draft, args.fixed_k), args.temperature == 0)
                             for w in workloads}}
     text = json.dumps(report, indent=2)
     if args.out:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from config.schema import AppConfig, EngineConfig, ServerConfig
+from config.schema import AppConfig, EngineConfig, ServerConfig, parse_k
 from engine.proposers.registry import ALIASES, NONE, proposer_names
 
 ENV_PREFIX = "SPECSERVE_"
@@ -33,7 +33,9 @@ HELP: dict[str, tuple[str, str | None]] = {
                     "the bundled demo draft when --model is unset"),
     "speculative_method": ("speculation method: draft | ngram | none (engine/proposers/registry.py)",
                            "draft when a draft model exists, else none"),
-    "num_speculative_tokens": ("k, draft tokens proposed and verified per step (0 disables speculation)", None),
+    "num_speculative_tokens": ("k, tokens proposed and verified per step: auto (adapts per request and step to "
+                               "what pays, within [0, --max-speculative-tokens]), an integer (fixed), 0 (off)", None),
+    "max_speculative_tokens": ("the largest k that auto may choose", None),
     "prompt_lookup_min": ("ngram: shortest suffix of the context looked up", None),
     "prompt_lookup_max": ("ngram: longest suffix of the context looked up (tried first)", None),
     "prompt_lookup_branches": ("ngram: propose a tree of up to this many different continuations (1: a chain)",
@@ -99,6 +101,8 @@ def _fields() -> dict[str, tuple[type, Any, Any]]:
 
 def _convert(name: str, annotation: Any, value: Any) -> Any:
     """Convert an env string or a YAML scalar to the field's type; ValueError(message) without the source."""
+    if name == "num_speculative_tokens":
+        return parse_k(value)
     args = typing.get_args(annotation)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), annotation) if optional else annotation

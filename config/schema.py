@@ -6,6 +6,22 @@ import json
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
+AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/adaptive.py)
+
+
+def parse_k(value, field: str = "num_speculative_tokens", minimum: int = 0) -> int | str:
+    """'auto' or an integer >= minimum (from a flag, an env var, YAML or JSON)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == AUTO:
+            return AUTO
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{field}: must be 'auto' or an integer, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field}: must be 'auto' or an integer >= {minimum}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -15,7 +31,8 @@ class SpeculativeMethodConfig:
 
     method: str
     model: str | None = None  # the draft model of method "draft"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str = AUTO  # "auto": adapts within [0, max_speculative_tokens]; an int: fixed
+    max_speculative_tokens: int = 4
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up (tried first)
     prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
@@ -23,8 +40,10 @@ class SpeculativeMethodConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
             raise ValueError("speculative_config.method: must be a non-empty string")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError("speculative_config.num_speculative_tokens: must be an integer >= 1")
+        object.__setattr__(self, "num_speculative_tokens",
+                           parse_k(self.num_speculative_tokens, "speculative_config.num_speculative_tokens", 1))
+        if not isinstance(self.max_speculative_tokens, int) or self.max_speculative_tokens < 1:
+            raise ValueError("speculative_config.max_speculative_tokens: must be an integer >= 1")
         if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             raise ValueError("speculative_config.prompt_lookup_min: need 1 <= prompt_lookup_min <= prompt_lookup_max")
@@ -32,7 +51,17 @@ class SpeculativeMethodConfig:
             raise ValueError("speculative_config.prompt_lookup_branches: must be an integer >= 1")
 
 
-def parse_speculative_config(text: str) -> tuple[SpeculativeMethodConfig, ...]:
+    @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == AUTO
+
+    @property
+    def k_max(self) -> int:
+        """The most tokens the method proposes per step."""
+        return self.max_speculative_tokens if self.adaptive else self.num_speculative_tokens
+
+
+def parse_speculative_config(text: str, max_speculative_tokens: int = 4) -> tuple[SpeculativeMethodConfig, ...]:
     """vLLM's --speculative-config: a JSON object, or a list of them (several methods; the first is the default)."""
     try:
         value = json.loads(text)
@@ -52,6 +81,7 @@ def parse_speculative_config(text: str) -> tuple[SpeculativeMethodConfig, ...]:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
         if "method" not in item:
             raise ValueError("speculative_config.method: required")
+        item.setdefault("max_speculative_tokens", max_speculative_tokens)
         out.append(SpeculativeMethodConfig(**item))
     return tuple(out)
 
@@ -61,7 +91,8 @@ class EngineConfig:
     model: str | None = None  # HF directory, hub id or .gguf file; None: the demo target (SmolLM2 GGUF)
     draft_model: str | None = None  # None with model=None: the bundled demo draft
     speculative_method: str | None = None  # a registry name or "none"; None: "draft" when a draft model is given
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str = AUTO  # "auto": k adapts per request and step; an int fixes it; 0: off
+    max_speculative_tokens: int = 4  # the ceiling of "auto" (and the KV sizing for it)
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
@@ -80,7 +111,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.num_speculative_tokens >= 0, "num_speculative_tokens", "must be >= 0"),
+            (self.max_speculative_tokens >= 1, "max_speculative_tokens", "must be >= 1"),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             (self.max_queue_len >= 0, "max_queue_len", "must be >= 0"),
@@ -96,6 +127,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: {msg}")
         from engine.proposers.registry import check_methods  # a light module: names only, no torch
 
+        object.__setattr__(self, "num_speculative_tokens", parse_k(self.num_speculative_tokens))
         check_methods(self)  # parses the JSON once, here; unknown or repeated methods
         for m in self.speculative_methods:
             if m.method in ("draft", "draft_model") and m.model is None and self.model is not None:
@@ -106,7 +138,7 @@ class EngineConfig:
         """The methods to load, the default first: from `speculative_config`, else from the flat fields. A draft
         method without a model on the demo target means the bundled demo draft (the engine resolves it)."""
         if self.speculative_config:
-            return parse_speculative_config(self.speculative_config)
+            return parse_speculative_config(self.speculative_config, self.max_speculative_tokens)
         if self.num_speculative_tokens == 0:
             return ()
         method = self.speculative_method
@@ -114,8 +146,9 @@ class EngineConfig:
             method = "draft" if self.draft_model is not None or self.model is None else "none"
         if method.strip().lower() == "none":
             return ()
-        return (SpeculativeMethodConfig(method, self.draft_model, self.num_speculative_tokens, self.prompt_lookup_min,
-                                        self.prompt_lookup_max, self.prompt_lookup_branches),)
+        return (SpeculativeMethodConfig(method, self.draft_model, self.num_speculative_tokens,
+                                        self.max_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
+                                        self.prompt_lookup_branches),)
 
     @property
     def method(self) -> str:

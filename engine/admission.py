@@ -26,7 +26,8 @@ class RequestBuilder:
     vocab_size: int
     max_model_len: int
     default_method: str
-    method_ks: dict  # loaded method -> its num_speculative_tokens
+    method_ks: dict  # loaded method -> the most tokens it proposes per step
+    adaptive_methods: frozenset  # methods whose k adapts (num_speculative_tokens "auto")
     num_blocks: int
     block_size: int
     eos_token_ids: frozenset
@@ -65,6 +66,8 @@ class RequestBuilder:
                                                                                PREDICTION_MAX_K)
         else:
             k = requested_k(params.num_speculative_tokens, self.method_ks[method]) if method != NONE else 0
+        adaptive = bool(k) and not prediction and params.num_speculative_tokens is None and \
+            method in self.adaptive_methods
         need = min(n + max_tokens + k, limit)
         if -(-need // self.block_size) > self.num_blocks:
             raise RequestTooLongError(f"the request needs up to {need} tokens of KV cache but kv_cache_memory holds "
@@ -72,7 +75,7 @@ class RequestBuilder:
         label = "prediction" if prediction and k else method if k else NONE
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        set(self.eos_token_ids), max_tokens, label, self.device, num_speculative_tokens=k,
-                       prediction_token_ids=prediction, fallback_method=method)
+                       prediction_token_ids=prediction, fallback_method=method, adaptive=adaptive)
 
     def _prediction_ids(self, prediction: str | list[int] | None) -> list[int] | None:
         if prediction is None or isinstance(prediction, list):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from config.schema import EngineConfig
+from engine.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMedian, Row, plan
 from engine.admission import RequestBuilder
 from engine.attention import PATTERN_ATTR, SeqChunk
 from engine.errors import InvalidRequestError
@@ -56,7 +57,7 @@ class EngineCore:
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
                               self.dtype, remote, tree_attention)
-        self.proposers = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; the default first
+        self.proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
         self.default_method = next(iter(self.proposers), NONE)
         self.router = ProposalRouter(self.proposers, PredictionProposer(self.device), tree_attention)
         limits = [config.max_model_len, target.config.max_position_embeddings,
@@ -82,17 +83,23 @@ class EngineCore:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = self._eos_ids(target)
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
-                                      {n: p.num_speculative_tokens for n, p in self.proposers.items()},
+                                      {n: p.num_speculative_tokens for n, p in self.proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
                                       frozenset(self.eos_token_ids), self.device)
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
+        # adaptive k: measured costs and tracked acceptance (engine/adaptive.py)
+        self.forward_cost = LinearCost()
+        self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position (recent median)
+        self.draft_timings: dict[str, RecentMedian] = {}
+        self.tracker = AcceptanceTracker(self.num_speculative_tokens)
 
     @staticmethod
-    def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> dict:
+    def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:
+        """-> (name -> loaded method, the default first; names of the methods whose k adapts)."""
         check_methods(config)
-        proposers = {}
+        proposers, adaptive = {}, set()
         for m in config.speculative_methods:
             cls = proposer_class(m.method)
             if cls.needs.draft_model and m.model is None:
@@ -100,7 +107,9 @@ class EngineCore:
                     raise ValueError(f"draft_model: speculative method {cls.name!r} needs a draft model")
                 m = dataclasses.replace(m, model=str(demo_draft))  # the demo target's bundled draft
             proposers[cls.name] = cls.load(m, ctx)
-        return proposers
+            if m.adaptive:
+                adaptive.add(cls.name)
+        return proposers, frozenset(adaptive)
 
     @property
     def proposer(self):
@@ -159,6 +168,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """schedule -> propose -> one target forward -> verify -> update (the story; each part below)."""
         t0 = time.perf_counter()
+        self._plan_adaptive()
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             for p in self.router.all():
@@ -170,8 +180,14 @@ class EngineCore:
             seqs, proposals = self._propose(seqs)
             t_verify = time.perf_counter()
             stats.draft_seconds = t_verify - t_draft
+            for name, (seconds, positions) in self.router.last_costs.items():
+                self.draft_costs[name] = self.draft_timings.setdefault(name, RecentMedian()).add(
+                    seconds / max(positions, 1))
             roots = [s.request.num_computed_tokens for s in seqs]  # position of each sequence's first new token
             logits, hidden, hidden_rows = self._target_forward(seqs, proposals)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the verify reads the logits right after anyway
+            self.forward_cost.observe(sum(s.num_new_tokens for s in seqs), time.perf_counter() - t_verify)
             for s in seqs:
                 s.request.num_computed_tokens += s.num_new_tokens
                 stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0
@@ -196,6 +212,23 @@ class EngineCore:
         self.totals.add(stats)
         self.last_step = stats
         return outputs
+
+    def _plan_adaptive(self) -> None:
+        """This step's k of every decoding adaptive request: the choice that maximises the batch's expected emitted
+        tokens per second under the measured costs (engine/adaptive.py). Others keep their fixed k."""
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_computed_tokens == len(r.token_ids) - 1 and r.num_computed_tokens]
+        auto = [r for r in decoding if r.adaptive]
+        if not auto:
+            return
+        pending = sum(len(r.token_ids) - r.num_computed_tokens for r in running) - len(decoding)
+        base_tokens = min(len(decoding) + pending, self.config.max_num_batched_tokens)
+        rows = [Row(self.tracker.survival(r.request_id, r.fallback_method), r.num_speculative_tokens,
+                    r.fallback_method, self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
+        for r, k in zip(auto, plan(rows, base_tokens, len(decoding), self.forward_cost, self.draft_costs)):
+            r.planned_k = k
+            if k == 0:
+                self.tracker.idle[r.request_id] = self.tracker.idle.get(r.request_id, 0) + 1
 
     def _propose(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[RowProposal | None]]:
         """Proposals for the rows the scheduler gave a speculative budget; each such row then computes 1 + what was
@@ -259,6 +292,7 @@ class EngineCore:
             req, k, m = seqs[i].request, ks[b], res.num_accepted[b]
             if k:
                 count_speculation(req, k, m, stats)
+                self.tracker.observe(req.request_id, proposals[i].owner, k, m)
                 if proposals[i].is_tree:
                     src, dst = path_moves(req.block_ids, self.allocator.block_size, roots[i], res.paths[b])
                     moves[0].extend(src)
@@ -285,6 +319,7 @@ class EngineCore:
             usage = prediction_usage(req.prediction_token_ids, req.output_token_ids)
             req.speculation.accepted_prediction_tokens, req.speculation.rejected_prediction_tokens = usage
         self.scheduler.free(req)
+        self.tracker.forget(req.request_id)
         for p in self.router.all():
             p.on_free(req)
 

@@ -12,10 +12,12 @@ from engine.sampling_params import SamplingParams
 
 class LLM:
     """`model=None` runs the bundled demo pair (target + distilled draft). A model without a draft, or
-    `num_speculative_tokens=0`, decodes plainly on the same engine."""
+    `num_speculative_tokens=0`, decodes plainly on the same engine; "auto" (the default) adapts k per request and
+    step within [0, max_speculative_tokens]; an integer fixes it."""
 
     def __init__(self, model: str | None = None, draft_model: str | None = None,
-                 speculative_method: str | None = None, num_speculative_tokens: int = 4, dtype: str = "auto",
+                 speculative_method: str | None = None, num_speculative_tokens: int | str = "auto",
+                 dtype: str = "auto",
                  device: str = "auto", kv_cache_memory: int | None = None, max_num_seqs: int = 64,
                  max_queue_len: int = 256, seed: int | None = None, **engine_kwargs):
         self.config = EngineConfig(model=model, draft_model=draft_model, speculative_method=speculative_method,

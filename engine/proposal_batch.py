@@ -3,6 +3,7 @@ first, then its method where the prediction offers nothing); the answers become 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class ProposalRouter:
         self.proposers = proposers  # name -> loaded method
         self.prediction = prediction  # the engine-owned Predicted Outputs proposer
         self.tree_attention = tree_attention
+        self.last_costs: dict[str, tuple[float, int]] = {}  # name -> (seconds, positions) of the last propose()
 
     def all(self) -> list:
         return [*self.proposers.values(), self.prediction]
@@ -42,11 +44,14 @@ class ProposalRouter:
     def propose(self, requests: list[Request], ks: list[int], generator: torch.Generator) -> list[RowProposal | None]:
         """Row i gets at most ks[i] >= 1 nodes, or None when its proposers have nothing."""
         rows: list[RowProposal | None] = [None] * len(requests)
+        self.last_costs = {}
 
         def ask(proposer, idx: list[int]) -> None:
             caps = [min(ks[i], proposer.num_speculative_tokens) for i in idx]
+            t0 = time.perf_counter()
             prop = proposer.propose([requests[i] for i in idx], caps, generator)
-            rows_ids = prop.token_ids.tolist()
+            rows_ids = prop.token_ids.tolist()  # (the host read ends the timing: the proposer's work is done)
+            self.last_costs[proposer.name] = (time.perf_counter() - t0, max(caps))
             for j, i in enumerate(idx):
                 n = prop.num_tokens[j]
                 if n:

@@ -65,7 +65,7 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device,
                  num_speculative_tokens: int = 0, prediction_token_ids: list[int] | None = None,
-                 fallback_method: str | None = None):
+                 fallback_method: str | None = None, adaptive: bool = False):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,6 +81,8 @@ class Request:
         self.num_computed_tokens = 0  # target positions whose K/V are in the cache
         self.fallback_method = fallback_method or method  # the method asked where a prediction offers nothing
         self.num_speculative_tokens = num_speculative_tokens  # its k (the scheduler may give fewer per step)
+        self.adaptive = adaptive  # k chosen per step by engine/adaptive.py, at most num_speculative_tokens
+        self.planned_k: int | None = None  # this step's choice for an adaptive request
         self.prediction_token_ids = prediction_token_ids  # Predicted Outputs: the expected completion, tokenised
         self.block_ids: list[int] = []
         self.finish_reason: str | None = None

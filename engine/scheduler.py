@@ -53,7 +53,7 @@ class Scheduler:
         """k for this step: the request's k (resolved against its method when it was made), bounded by the tokens
         it may still emit (a step emits up to k + 1), the model length and the step's token budget. Its proposer
         may then propose fewer (or none): the step computes only what was proposed."""
-        k = req.num_speculative_tokens
+        k = req.planned_k if req.adaptive and req.planned_k is not None else req.num_speculative_tokens
         remaining = req.max_tokens - req.num_output_tokens
         return max(0, min(k, remaining - 1, self.max_model_len - len(req.token_ids), token_budget - 1))
 

@@ -53,7 +53,7 @@ async def _load(engine: AsyncEngine) -> None:
 
 def create_app(config: AppConfig) -> FastAPI:
     name = served_model_name(config)
-    ks = [m.num_speculative_tokens for m in config.engine.speculative_methods] + [PREDICTION_K]
+    ks = [m.k_max for m in config.engine.speculative_methods] + [PREDICTION_K]
     metrics = Metrics(name, canonical(config.engine.method), max(ks))
     engine = AsyncEngine(config.engine, on_step=metrics.on_step)
 

@@ -14,7 +14,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from config.loader import METHODS
     p.add_argument("--speculative-method", choices=METHODS, type=str.lower,
                    help="default: draft when a draft exists")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k, draft tokens verified per step")
+    from config.schema import parse_k
+    p.add_argument("--num-speculative-tokens", type=parse_k, default="auto",
+                   help="k: auto (adapts per step, the default), an integer (fixed) or 0 (off)")
+    p.add_argument("--max-speculative-tokens", type=int, default=4, help="the largest k auto may choose")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix looked up")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix looked up")
     p.add_argument("--prompt-lookup-branches", type=int, default=1,
@@ -32,7 +35,8 @@ def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=args.model, draft_model=args.draft_model, speculative_method=args.speculative_method,
-              num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device,
+              num_speculative_tokens=args.num_speculative_tokens, max_speculative_tokens=args.max_speculative_tokens,
+              dtype=args.dtype, device=args.device,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed,
               chat_template=args.chat_template, prompt_lookup_min=args.prompt_lookup_min,
               prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_branches=args.prompt_lookup_branches,

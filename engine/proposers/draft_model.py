@@ -43,7 +43,7 @@ class DraftModelProposer:
         draft = load_model(cfg.model, ctx.dtype, ctx.device, ctx.trust_remote_code, field="draft_model")
         draft_map = None if is_gguf(cfg.model) else load_vocab_map(cfg.model, ctx.vocab_size, ctx.device)
         check_draft_compatible(ctx.target_path, cfg.model, ctx.tokenizer, ctx.target_config, draft.config, draft_map)
-        return cls(draft, ctx.vocab_size, ctx.device, ctx.dtype, cfg.num_speculative_tokens, draft_map)
+        return cls(draft, ctx.vocab_size, ctx.device, ctx.dtype, cfg.k_max, draft_map)
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model.config, self.dtype)

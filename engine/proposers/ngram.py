@@ -49,7 +49,7 @@ class NgramProposer(LookupProposer):
     @classmethod
     def load(cls, cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> "NgramProposer":
         branches = cfg.prompt_lookup_branches if ctx.tree_attention else 1  # windowed targets verify chains only
-        return cls(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max, ctx.device, branches)
+        return cls(cfg.k_max, cfg.prompt_lookup_min, cfg.prompt_lookup_max, ctx.device, branches)
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
         drafts, parents = [], []

@@ -23,12 +23,14 @@ def server(tiny):
 
 def test_openai_sdk_chat_and_completions(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
+    # a seeded sample is reproducible for a fixed k (the default k adapts to what the engine measured: README)
+    fixed = {"num_speculative_tokens": 2}
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=6, n=2, seed=3, temperature=0.9)
+                                          max_tokens=6, n=2, seed=3, temperature=0.9, extra_body=fixed)
     assert len(chat.choices) == 2 and chat.usage.completion_tokens <= 12
     assert chat.model_extra["speculation"]["method"] == "draft"
     again = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=6, n=2, seed=3, temperature=0.9)
+                                           max_tokens=6, n=2, seed=3, temperature=0.9, extra_body=fixed)
     assert [c.message.content for c in again.choices] == [c.message.content for c in chat.choices]
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=6, stream=True, stream_options={"include_usage": True})

@@ -123,7 +123,8 @@ def test_sub_vocabulary_draft_keeps_target_law(pair, mapped_draft):
 TREE_PROMPT = [random.Random(3).randrange(V) for _ in range(30)]
 
 
-TREE_ENGINE = dict(max_tokens=8, speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_max=1, prompt_lookup_branches=3)
+TREE_ENGINE = dict(max_tokens=8, speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_max=1,
+                   prompt_lookup_branches=3)
 
 
 @pytest.mark.parametrize("case", ["temperature_1", "penalties"])

@@ -12,7 +12,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.tree import ancestor_matrix, chain_parents, check_tree, depths, tree_sample
-from tests.tiny_models import build_tokenizer, save_gpt2, save_llama
+from tests.unit.test_model_runner import models  # noqa: F401  (the same tiny Llama and GPT-2, a fixture)
 
 CPU = torch.device("cpu")
 # node j's parent at index j - 1:   root(0) -> 1 -> 3 -> 5
@@ -39,19 +39,8 @@ def test_check_tree_refuses_bad_parents_and_duplicate_siblings():
         check_tree([0, 0], [7, 7])
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree")
-    vocab = len(build_tokenizer(root / "tok"))
-    return {
-        "vocab": vocab,
-        "llama": save_llama(root / "llama", root / "tok", vocab, layers=2, hidden=64, heads=4, kv_heads=2, seed=5),
-        "gpt2": save_gpt2(root / "gpt2", root / "tok", vocab, layers=2, hidden=64, heads=4, seed=6),
-    }
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_tree_forward_equals_each_path_alone(models, arch):
+def test_tree_forward_equals_each_path_alone(models, arch):  # noqa: F811
     """One forward over a context + a 7-node tree (and a causal neighbour in the same batch) gives, at every node,
     the logits of its root-to-node path run as a plain sequence."""
     vocab = models["vocab"]

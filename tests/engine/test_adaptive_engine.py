@@ -1,0 +1,68 @@
+"""num_speculative_tokens "auto" in the engine: output unchanged (fp32 greedy), k falls where speculation cannot pay
+(a random draft: almost everything rejected) and stays up where it does (n-gram lookups on looping output)."""
+
+import pytest
+
+from config.schema import EngineConfig
+from engine.sampling_params import SamplingParams
+from tests.engine.helpers import make_core, run
+from tests.engine.test_greedy_exactness import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    return [o.output_token_ids for o in run(make_core(tiny["llama"]), PROMPTS, GREEDY)]
+
+
+def _chosen(core):
+    """Spy: the number of tokens each drafting row proposed, per step."""
+    ks = []
+    step = core.step
+
+    def spy():
+        outs = step()
+        ks.extend(core.last_step.speculative_tokens_chosen)
+        return outs
+    core.step = spy
+    return ks
+
+
+def test_auto_with_a_draft_that_does_not_pay_backs_off_and_keeps_the_output(tiny, baseline):
+    fixed = make_core(tiny["llama"], tiny["llama_draft"], k=4)
+    fixed_outs = run(fixed, PROMPTS, GREEDY)
+    auto = make_core(tiny["llama"], tiny["llama_draft"], k="auto", max_speculative_tokens=4)
+    assert auto.builder.adaptive_methods == {"draft"}
+    outs = run(auto, PROMPTS, GREEDY, join_after=3, join_from=6)
+    assert [o.output_token_ids for o in outs] == baseline
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    fixed_drafted = sum(o.speculation.num_draft_tokens for o in fixed_outs)
+    assert 0 < drafted < 0.5 * fixed_drafted  # it tried, measured, and backed off (probes keep it above 0)
+
+
+def test_auto_keeps_speculating_where_it_pays(tiny, baseline):
+    """Looping random models: lookups are mostly right and cost nothing, so auto keeps (nearly) all of what a fixed
+    k gains."""
+    fixed = run(make_core(tiny["llama"], speculative_method="ngram", k=6), PROMPTS, GREEDY)
+    core = make_core(tiny["llama"], speculative_method="ngram", k="auto", max_speculative_tokens=6)
+    chosen = _chosen(core)
+    outs = run(core, PROMPTS, GREEDY, join_after=2, join_from=5)
+    assert [o.output_token_ids for o in outs] == baseline
+    accepted = sum(o.speculation.num_accepted_tokens for o in outs)
+    assert accepted >= 0.8 * sum(o.speculation.num_accepted_tokens for o in fixed) and accepted >= 60
+    assert max(chosen) >= 4
+
+
+def test_an_explicit_k_is_kept_and_auto_parses_everywhere(tiny):
+    core = make_core(tiny["llama"], tiny["llama_draft"], k="auto", max_speculative_tokens=3)
+    req = core.make_request("a", "hi", SamplingParams(num_speculative_tokens=2))
+    assert not req.adaptive and req.num_speculative_tokens == 2
+    req = core.make_request("b", "hi", SamplingParams())
+    assert req.adaptive and req.num_speculative_tokens == 3
+    assert EngineConfig(num_speculative_tokens="AUTO").num_speculative_tokens == "auto"
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens="many")
+    cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": "auto"}',
+                       max_speculative_tokens=5)
+    assert cfg.speculative_methods[0].adaptive and cfg.speculative_methods[0].k_max == 5

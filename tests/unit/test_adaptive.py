@@ -1,0 +1,76 @@
+"""Adaptive k: the cost fit, the acceptance estimates, and the plan's choices in the regimes that matter (pays /
+does not pay / some rows pay / probing)."""
+
+import pytest
+
+from engine.adaptive import PRIOR_ACCEPT, AcceptanceTracker, LinearCost, Row, goodput, plan
+
+
+def _cost(a=0.030, b=0.0006, xs=(1, 5, 9, 16, 32, 64)):
+    c = LinearCost()
+    for _ in range(30):
+        for x in xs:
+            c.observe(x, a + b * x)
+    return c
+
+
+def test_linear_cost_fits_the_line_and_keeps_a_prior_slope_when_x_never_varies():
+    a, b = _cost().coefficients()
+    assert a == pytest.approx(0.030, rel=0.05) and b == pytest.approx(0.0006, rel=0.1)
+    flat = LinearCost()
+    for _ in range(50):
+        flat.observe(4, 0.05)
+    a, b = flat.coefficients()
+    assert flat(4) == pytest.approx(0.05, rel=0.05) and 0 < b < 0.05 * 0.05
+    assert not LinearCost().known
+    # a long prefill first, then decode steps of 1 token: the intercept is the decode cost, never 0
+    mixed = LinearCost()
+    mixed.observe(60, 0.090)
+    for _ in range(20):
+        mixed.observe(1, 0.027)
+    a, b = mixed.coefficients()
+    assert a == pytest.approx(0.027, rel=0.1) and b == pytest.approx((0.090 - 0.027) / 59, rel=0.5)
+
+
+def test_tracker_estimates_per_position_and_starts_from_the_method():
+    t = AcceptanceTracker(4)
+    assert t.survival("a", "draft") == pytest.approx([PRIOR_ACCEPT ** j for j in range(1, 5)])
+    for _ in range(40):
+        t.observe("a", "draft", 4, 1)  # first draft always accepted, second always rejected
+    rates = t.rates("a", "draft")
+    assert rates[0] > 0.99 and rates[1] < 0.01 and rates[2] == PRIOR_ACCEPT  # position 3 never observed
+    assert t.survival("a", "draft")[1] < 0.01
+    assert t.rates("b", "draft")[0] > PRIOR_ACCEPT  # a new request starts from the method's estimates
+    t.forget("a")
+    assert t.rates("a", "draft") == t.rates("b", "draft")
+
+
+def test_plan_speculates_fully_when_it_pays_and_not_at_all_when_it_does_not():
+    cost = _cost()
+    good = [Row([0.9, 0.81, 0.73, 0.66], 4, "draft")] * 2
+    assert plan(good, 2, 2, cost, {"draft": 0.002}) == [4, 4]
+    bad = [Row([0.05, 0.0025, 0.0001, 0.0], 4, "draft")] * 2
+    assert plan(bad, 2, 2, cost, {"draft": 0.003}) == [0, 0]
+    # good acceptance, but each draft position costs as much as a target forward: not worth it
+    assert plan(good, 2, 2, cost, {"draft": 0.05}) == [0, 0]
+
+
+def test_plan_trims_rows_whose_slots_do_not_pay_and_probes_idle_ones():
+    cost = _cost(a=0.010, b=0.002)  # verify work is expensive per token here
+    rows = [Row([0.95, 0.9, 0.85, 0.8], 4, "ngram"), Row([0.01, 0.0, 0.0, 0.0], 4, "ngram"),
+            Row([0.01, 0.0, 0.0, 0.0], 4, "ngram", probe=True)]
+    ks = plan(rows, 3, 3, cost, {})
+    assert ks[0] >= 3 and ks[1] == 0 and ks[2] == 1
+    assert goodput(rows, ks, 3, 3, cost, {}) > goodput(rows, [0, 0, 0], 3, 3, cost, {})
+
+
+def test_plan_before_any_measurement_proposes_the_caps():
+    assert plan([Row([0.1] * 4, 3, "draft"), Row([0.1] * 4, 0, "draft")], 2, 2, LinearCost(), {}) == [3, 0]
+
+
+def test_recent_median_ignores_a_one_off_spike():
+    from engine.adaptive import RecentMedian
+
+    m = RecentMedian(5)
+    assert m.add(1.0) == 1.0
+    assert m.add(50.0) == 25.5 and m.add(1.2) == 1.2 and m.add(0.9) == pytest.approx(1.1)
