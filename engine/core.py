@@ -1,10 +1,12 @@
 """EngineCore: the synchronous step loop over the target, the loaded proposers and the KV cache.
 
-`step()`: the scheduler hands each running request a token budget (a prefill chunk, or its last token + up to k
-proposed tokens); each request's proposer proposes at most that many (possibly none); ONE target forward runs over
-the whole ragged batch (prefill chunks and 1 + proposed verify positions alike); `verify()` runs the batched
-rejection sampler; then tokens are appended, rejected positions rolled back (O(1): computed lengths only), the
-proposers told what was accepted, and finished requests' blocks freed.
+`step()`: adaptive requests get this step's k (engine/adaptive.py); the scheduler hands each running request a
+token budget (a prefill chunk, or its last token + up to k proposed tokens); each request's proposer proposes at
+most that many (possibly none; a chain or a tree); ONE target forward runs over the whole ragged batch (prefill
+chunks and 1 + proposed verify positions alike); `verify()` applies the chain rejection rule or the tree rule;
+then tokens are appended, rejected positions rolled back (O(1): computed lengths only; an accepted tree path's K/V
+moved into place), the proposers told what was accepted (and given target hidden states where they asked), and
+finished requests' blocks freed.
 """
 
 from __future__ import annotations
