@@ -93,7 +93,8 @@ class QueryGroup:
             mask &= key_pos[:, None, :] // size == q_pos // size
         if self.tree_mask is not None:
             if kind != "causal":  # the engine proposes trees only for models without windows or chunks
-                raise NotImplementedError(f"token trees under {kind} attention are not supported")
+                raise RuntimeError(f"a token tree reached {kind} attention (trees are verified on causal layers "
+                                   "only; the engine should have proposed a chain)")
             mask = self._with_tree(mask)
         seen = mask.any(dim=1)  # [B, L] slots some query of the sequence attends
         block_col = (key_pos // bs).clamp(max=self.block_tables.shape[1] - 1)

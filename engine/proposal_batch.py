@@ -85,20 +85,18 @@ def draft_batch(rows: list[RowProposal | None], vocab: int, device: torch.device
     """Rows of one verify step (None: no proposal) -> tensors, padded to the widest row."""
     width = max([len(r.tokens) for r in rows if r is not None], default=0)
     ids = torch.full((len(rows), width), -1, dtype=torch.long)
-    parents = None
-    if any(r is not None and r.is_tree for r in rows):
-        parents = torch.arange(width).repeat(len(rows), 1)  # chains: node j's parent is j - 1
+    tree_rows = tuple(b for b, r in enumerate(rows) if r is not None and r.is_tree)
+    parents = torch.arange(width).repeat(len(rows), 1) if tree_rows else None  # chains: node j's parent is j - 1
     for b, r in enumerate(rows):
         if r is None:
             continue
         n = len(r.tokens)
         ids[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
-        if parents is not None and r.parents is not None:
+        if b in tree_rows:
             parents[b, :n] = torch.tensor(r.parents, dtype=torch.long)
     prob_rows = tuple(b for b, r in enumerate(rows) if r is not None and r.probs is not None)
     probs = None
-    if prob_rows:
-        probs = torch.zeros(len(prob_rows), width, vocab, device=device)  # [P, K, V]
-        for i, b in enumerate(prob_rows):
-            probs[i, : len(rows[b].tokens)] = rows[b].probs
-    return DraftBatch(ids.to(device), None if parents is None else parents.to(device), probs, prob_rows)
+    if prob_rows:  # one padding op, not a copy per row
+        probs = torch.nn.utils.rnn.pad_sequence([rows[b].probs for b in prob_rows], batch_first=True)  # [P, n, V]
+        probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))  # [P, K, V]
+    return DraftBatch(ids.to(device), None if parents is None else parents.to(device), probs, prob_rows, tree_rows)

@@ -21,6 +21,7 @@ class DraftBatch:
     parents: torch.Tensor | None = None  # [B, K] long tree parents (engine/tree.py); None: every row is a chain
     probs: torch.Tensor | None = None  # [P, K, V] q of the rows in prob_rows (sampled chains); the rest are one-hot
     prob_rows: tuple[int, ...] = ()
+    tree_rows: tuple[int, ...] = ()  # rows whose proposal branches (the rest are chains)
 
 
 @dataclass
@@ -36,8 +37,8 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], drafts:
            default_generator: torch.Generator) -> VerifyResult:
     """logits [N, V]: request b owns rows off_b .. off_b + k_b (N = sum(k_b + 1)), row j the target after node j.
 
-    Rows with draft probabilities go through the chain rejection sampler (residual rule); one-hot rows (lookups,
-    trees) through the tree rule, of which a one-hot chain is the special case."""
+    Chains go through the chain rejection sampler (residual rule; q one-hot for lookups: k uniforms and one
+    vocabulary-sized draw per row); trees through the tree rule (one vocabulary-sized draw per depth)."""
     device, vocab = logits.device, logits.shape[-1]
     draft_ids = drafts.token_ids
     batch, k_max = len(requests), draft_ids.shape[1]
@@ -56,22 +57,25 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], drafts:
     tokens = torch.full((batch, k_max + 1), -1, dtype=torch.long, device=device)
     emitted = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.minimum(j, num_draft[:, None]).clone()  # [B, K+1] chains: node j is row j
-    chain = list(drafts.prob_rows)
-    if chain:
-        idx = torch.tensor(chain, device=device)
-        sub = [gens[b] for b in chain]
-        uniforms = uniform_noise(sub, [ks[b] for b in chain], k_max, default_generator, device)  # [P, K]
-        noise = torch.ones(len(chain), vocab, device=device) if st.all_greedy else \
-            exponential_noise(sub, vocab, default_generator, device)  # [P, V]
-        out = rejection_sample(p_nodes[idx], drafts.probs, draft_ids[idx], num_draft[idx], uniforms, noise)
+    trees, with_q = set(drafts.tree_rows), set(drafts.prob_rows)
+    chains = [(list(drafts.prob_rows), drafts.probs), ([b for b in range(batch) if b not in trees | with_q], None)]
+    for rows, q in chains:  # sampled chains with their q, then one-hot chains
+        if not rows:
+            continue
+        idx = torch.tensor(rows, device=device)
+        sub = [gens[b] for b in rows]
+        uniforms = uniform_noise(sub, [ks[b] for b in rows], k_max, default_generator, device)  # [R, K]
+        noise = torch.ones(len(rows), vocab, device=device) if st.all_greedy else \
+            exponential_noise(sub, vocab, default_generator, device)  # [R, V]
+        out = rejection_sample(p_nodes[idx], q, draft_ids[idx], num_draft[idx], uniforms, noise)
         tokens[idx], emitted[idx] = out.output_token_ids, out.num_emitted_draft_tokens
         path[idx] = torch.minimum(j, out.num_emitted_draft_tokens[:, None])
-    one_hot = [b for b in range(batch) if b not in set(chain)]
-    if one_hot:
-        idx = torch.tensor(one_hot, device=device)
-        sub = [gens[b] for b in one_hot]
-        noise = torch.ones(len(one_hot), k_max + 1, vocab, device=device) if st.all_greedy else \
-            depth_noise(sub, [ks[b] + 1 for b in one_hot], k_max + 1, vocab, default_generator, device)  # [O, K+1, V]
+    if trees:
+        rows = sorted(trees)
+        idx = torch.tensor(rows, device=device)
+        noise = torch.ones(len(rows), k_max + 1, vocab, device=device) if st.all_greedy else \
+            depth_noise([gens[b] for b in rows], [ks[b] + 1 for b in rows], k_max + 1, vocab, default_generator,
+                        device)  # [T, K+1, V]
         t, m, pth = tree_sample(p_nodes[idx], draft_ids[idx].clamp_min(0), parents[idx], ancestors[idx],
                                 num_draft[idx], noise)
         tokens[idx], emitted[idx], path[idx] = t, m, pth
