@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.spec_decode import _fmt, first_diff, machine_info
+from bench.spec_decode import _fmt, first_diff, machine_info, speculation_counts
 from config.schema import parse_k
 from engine import LLM, SamplingParams
 
@@ -99,17 +99,11 @@ def summarise(runs: list[dict], methods: list[str], greedy: bool) -> list[dict]:
     for m in methods:
         tps = [sum(len(o.output_token_ids) for o in r[m][0]) / r[m][1] for r in runs]
         outs = [o for r in runs for o in r[m][0]]
-        drafted = sum(o.speculation.num_draft_tokens for o in outs)
-        accepted = sum(o.speculation.num_accepted_tokens for o in outs)
-        steps = sum(o.speculation.num_steps for o in outs)
         row = {"method": m, "tokens_per_s": round(statistics.median(tps), 3),
                "tokens_per_s_per_repeat": [round(t, 3) for t in tps],
                "speedup": round(statistics.median([t / p for t, p in zip(tps, plain)]), 4),
                "speedup_per_repeat": [round(t / p, 4) for t, p in zip(tps, plain)],
-               "num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_steps": steps,
-               "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-               "mean_accepted_length": round(1 + accepted / steps, 4) if steps else None,
-               "generated_tokens": sum(len(o.output_token_ids) for o in outs)}
+               **speculation_counts(outs), "generated_tokens": sum(len(o.output_token_ids) for o in outs)}
         if m == "prediction":
             row["accepted_prediction_tokens"] = sum(o.speculation.accepted_prediction_tokens or 0 for o in outs)
             row["rejected_prediction_tokens"] = sum(o.speculation.rejected_prediction_tokens or 0 for o in outs)

@@ -199,6 +199,16 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def speculation_counts(outs) -> dict:
+    """Proposed / accepted / verify steps over outputs, with vLLM's acceptance rate and mean accepted length."""
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    accepted = sum(o.speculation.num_accepted_tokens for o in outs)
+    steps = sum(o.speculation.num_steps for o in outs)
+    return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_steps": steps,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "mean_accepted_length": round(1 + accepted / steps, 4) if steps else None}
+
+
 def summarise(ks, runs, costs, greedy: bool) -> list[dict]:
     """runs[rep][k] = (outputs, wall seconds). Speedup = median over repeats of the within-repeat ratio."""
     rows = []
@@ -207,19 +217,13 @@ def summarise(ks, runs, costs, greedy: bool) -> list[dict]:
         tps = [sum(len(o.output_token_ids) for o in r[k][0]) / r[k][1] for r in runs]
         ratios = [t / p for t, p in zip(tps, plain_tps)]
         outs = [o for r in runs for o in r[k][0]]
-        drafted = sum(o.speculation.num_draft_tokens for o in outs)
-        accepted = sum(o.speculation.num_accepted_tokens for o in outs)
-        steps = sum(o.speculation.num_steps for o in outs)
         row = {"k": k, "tokens_per_s": round(statistics.median(tps), 3),
                "tokens_per_s_per_repeat": [round(t, 3) for t in tps],
                "wall_s_per_repeat": [round(r[k][1], 4) for r in runs],
                "generated_tokens_per_repeat": [sum(len(o.output_token_ids) for o in r[k][0]) for r in runs],
                "speedup": round(statistics.median(ratios), 4), "speedup_per_repeat": [round(x, 4) for x in ratios],
-               "num_draft_tokens": drafted, "num_accepted_tokens": accepted, "num_steps": steps,
-               "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
-               "mean_accepted_length": round(1 + accepted / steps, 4) if steps else None,
-               "verify_cost": 1.0 if k == 0 else costs["verify_cost"][str(k)]}
-        if k and steps and "c" in costs:  # ideal: tokens per step / (k draft forwards + one verify), in target steps
+               **speculation_counts(outs), "verify_cost": 1.0 if k == 0 else costs["verify_cost"][str(k)]}
+        if k and row["num_steps"] and "c" in costs:  # ideal: tokens per step / (k draft forwards + one verify), in target steps
             row["model_speedup"] = round(row["mean_accepted_length"] / (k * costs["c"] + row["verify_cost"]), 4)
         if greedy:  # k = 0: plain is deterministic across repeats; k > 0: equals plain of the same repeat
             diffs = []
