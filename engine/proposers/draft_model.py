@@ -100,9 +100,6 @@ class DraftModelProposer:
     def on_free(self, request: Request) -> None:
         self._computed.pop(request.request_id, None)
 
-    def num_computed(self, request: Request) -> int:
-        return self._computed.get(request.request_id, 0)
-
 
 def _select(st: SamplingTensors, idx: torch.Tensor) -> SamplingTensors:
     """Rows idx of every per-row tensor; host flags stay conservative (a superset of what the rows need)."""
