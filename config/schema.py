@@ -97,7 +97,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
     speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
-    dtype: str = "auto"  # auto = bf16 where the device supports it
+    dtype: str = "auto"  # auto = bf16 where the device computes it natively, else fp16 (CUDA) or fp32 (CPU)
     device: str = "auto"  # auto = cuda when present
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
     max_num_seqs: int = 64

@@ -22,14 +22,23 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively. Without them (AVX2-only CPUs) oneDNN emulates bf16 and
+    small-row matmuls measured 3-6x slower than fp32 (Linear 576->1536, 64 rows, 2 threads: 18.5 ms vs 2.8 ms)."""
+    cpu = torch.cpu
+    checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` = bf16 where the device supports it (on this kind of CPU bf16 matmuls are several times faster)."""
+    """`auto` = bf16 where the device computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), fp16 on
+    older CUDA, fp32 on other CPUs (where bf16 is emulated and slower than fp32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"dtype: unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}", "dtype")
     return _DTYPES[dtype]

@@ -21,9 +21,13 @@ def test_draft_with_other_vocabulary_is_refused(tiny, tmp_path):
     assert err.value.param == "draft_model"
 
 
-def test_auto_resolution():
+def test_auto_resolution(monkeypatch):
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32  # bf16 emulated on AVX2-only CPUs: slower
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     with pytest.raises(InvalidRequestError):
         resolve_dtype("int3", torch.device("cpu"))
