@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from .corpus import load_corpus
-from .loop import (TrainConfig, cached_tokens, default_ckpt_dir, eval_batches, export_hf,
-                   pack_tokens, run_loop, setup_runtime)
+from .loop import (TrainConfig, cached_tokens, compute_autocast, default_ckpt_dir, eval_batches, export_hf,
+                   pack_tokens, run_loop, setup_runtime, train_dtype)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -79,7 +79,7 @@ def greedy_agreement(target, draft, batches: list[torch.Tensor]) -> float | None
     if not batches:
         return None
     agree = total = 0
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with compute_autocast():
         for batch in batches:
             t = target(input_ids=batch).logits.argmax(-1)  # [B, T]
             d = draft(input_ids=batch).logits.argmax(-1)
@@ -103,7 +103,7 @@ def train_draft(target_dir: str | Path, out: str | Path, cfg: TrainConfig, corpu
     cfg.ckpt_dir = str(ckpt_dir)
     setup_runtime(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.bfloat16).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=train_dtype()).eval()
     target.requires_grad_(False)
     eos = tokenizer.eos_token_id
     data = load_corpus(corpus)

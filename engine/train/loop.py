@@ -3,6 +3,7 @@ resumable checkpoints (model + optimizer + step + RNG) and the bf16 Hugging Face
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,8 @@ from typing import Callable
 
 import torch
 from tqdm import tqdm
+
+from engine.loader import cpu_has_native_bf16
 
 from .threads import ThreadTuner
 
@@ -45,6 +48,18 @@ def default_ckpt_dir(kind: str, out: str | Path) -> Path:
     # Outside git on purpose: checkpoints carry fp32 weights and optimizer moments (~4x the export).
     base = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
     return base / "ckpt" / f"{kind}-{Path(out).resolve().name}"
+
+
+def compute_autocast():
+    """bf16 autocast where the CPU computes bf16 natively; plain fp32 elsewhere (emulated bf16 is slower)."""
+    if cpu_has_native_bf16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_dtype() -> torch.dtype:
+    """The dtype for a frozen teacher: what autocast would compute in."""
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def setup_runtime(cfg: TrainConfig) -> None:
@@ -175,7 +190,7 @@ def run_loop(model, loss_fn: Callable, tokens: torch.Tensor | Callable[[int], ob
             batch_tokens = batch.numel() if isinstance(batch, torch.Tensor) else batch.num_tokens
             threads = tuner.before_step(step) if tuner else torch.get_num_threads()
             t_step = time.time()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with compute_autocast():
                 loss = loss_fn(batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -229,7 +244,7 @@ def evaluate(loss_fn, model, batches: list[torch.Tensor]) -> float | None:
     if not batches:
         return None
     model.eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with compute_autocast():
         losses = [float(loss_fn(b)) for b in batches]
     model.train()
     return round(sum(losses) / len(losses), 4)

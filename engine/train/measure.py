@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .corpus import heldout_prompts, load_corpus
+from .loop import train_dtype
 
 
 @torch.inference_mode()
@@ -76,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.bfloat16).eval()
+    dtype = train_dtype()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).eval()
     corpus = load_corpus(args.corpus)
     text = "".join(corpus.iter_texts("heldout"))
     context = tok(text, return_tensors="pt")["input_ids"][:, : args.context]
@@ -89,13 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     cost["c"] = round(cost["draft_ms_1_token"] / cost["target_ms_1_token"], 4)
     deeper_cfg = draft.config.__class__(**{**draft.config.to_dict(),
                                            "num_hidden_layers": draft.config.num_hidden_layers + 1})
-    deeper = type(draft)(deeper_cfg).to(torch.bfloat16).eval()
+    deeper = type(draft)(deeper_cfg).to(dtype).eval()
     decode_ms(deeper, context, steps=8, repeats=1)
     cost[f"draft_{deeper_cfg.num_hidden_layers}_layers_ms_1_token"] = round(decode_ms(deeper, context, 1), 3)
     prompts = [tok(p, return_tensors="pt")["input_ids"] for p in heldout_prompts(corpus, args.num_prompts)]
     agree = None if args.cost_only else agreement(target, draft, prompts, gen_len=args.gen_len)
     result = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs, threads={args.threads}",
-              "dtype": "bfloat16", "batch": 1, "cost": cost,
+              "dtype": str(dtype).removeprefix("torch."), "batch": 1, "cost": cost,
               "agreement": agree,
               "target_params": sum(p.numel() for p in target.parameters()),
               "draft_params": sum(p.numel() for p in draft.parameters())}

@@ -16,7 +16,7 @@ from engine.loader import load_model, load_tokenizer
 from engine.vocab_map import VocabMap, load_vocab_map, save_vocab_map
 
 from .distill import draft_config, project_embeddings
-from .loop import TrainConfig, default_ckpt_dir, export_hf, run_loop, setup_runtime
+from .loop import TrainConfig, compute_autocast, default_ckpt_dir, export_hf, run_loop, setup_runtime
 
 
 @dataclass
@@ -81,7 +81,7 @@ def agreement(draft, batches: list[SeqBatch], vmap: VocabMap | None) -> float:
     """Teacher-forced fraction of answer positions where the draft's argmax is the target's top-1 (a top-1
     outside the sub-vocabulary counts as a miss: the draft cannot propose it)."""
     hit = total = 0
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with compute_autocast():
         for b in batches:
             logits = draft(input_ids=b.input_ids).logits.float()  # [B, T, Vd]
             pred = logits[..., : vmap.d2t.numel()].argmax(-1) if vmap is not None else logits.argmax(-1)
