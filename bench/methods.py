@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto = the engine's choice (bf16 where native, else fp32 on CPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     config.append({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_branches": args.ngram_branches})
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
               kv_cache_memory=512 << 20, max_num_seqs=4, seed=args.seed, max_speculative_tokens=args.max_k)
+    args.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what `auto` resolved to, for the report
 
     def chat(text: str) -> str:
         return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts-file", default=None, help="a JSON list of strings, or one prompt per line")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto = the engine's choice (bf16 where native, else fp32 on CPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(model=args.model, draft_model=args.draft_model, num_speculative_tokens=max(args.ks), dtype=args.dtype,
               device=args.device, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch_size, 1),
               seed=args.seed)
+    args.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what `auto` resolved to, for the report
     if llm.engine.proposer is None:
         raise SystemExit("no draft model: give --draft-model (speculation needs a proposer)")
     args.ignore_eos = True  # fixed-length runs; a chat answer instead ends at its end-of-turn token

@@ -44,7 +44,8 @@ HELP: dict[str, tuple[str, str | None]] = {
                            "\"prompt_lookup_min\": ..., \"prompt_lookup_max\": ..., \"prompt_lookup_branches\": "
                            "...} or a list of them (the first is the default); replaces the flat speculation flags",
                            "the flat flags"),
-    "dtype": ("weights/activations dtype: auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16", None),
+    "dtype": ("weights/activations dtype: auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16",
+              None),
     "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
                         "min(4 GiB, RAM/4) on CPU"),

@@ -23,7 +23,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-branches", type=int, default=1,
                    help="ngram: a tree of up to this many continuations (1: a chain)")
     p.add_argument("--speculative-config", help="vLLM's JSON (an object or a list of methods)")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda[:N]")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
