@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from engine.loader import cpu_has_native_bf16
+from engine.loader import resolve_dtype
 
 from .threads import ThreadTuner
 
@@ -50,16 +50,16 @@ def default_ckpt_dir(kind: str, out: str | Path) -> Path:
     return base / "ckpt" / f"{kind}-{Path(out).resolve().name}"
 
 
+def train_dtype() -> torch.dtype:
+    """What training computes in: the engine's `auto` on CPU (bf16 where native, else fp32)."""
+    return resolve_dtype("auto", torch.device("cpu"))
+
+
 def compute_autocast():
     """bf16 autocast where the CPU computes bf16 natively; plain fp32 elsewhere (emulated bf16 is slower)."""
-    if cpu_has_native_bf16():
+    if train_dtype() == torch.bfloat16:
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def train_dtype() -> torch.dtype:
-    """The dtype for a frozen teacher: what autocast would compute in."""
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 def setup_runtime(cfg: TrainConfig) -> None:
