@@ -31,9 +31,16 @@ def test_tiny_pair_speculates():
     assert accepted / drafted > 0.25
 
 
+@pytest.fixture(scope="module")
+def demo_llm():
+    """One load of the real demo pair for the module (a GGUF dequantisation costs 10-25 s): the draft method is the
+    default, as with no flags, and n-gram is loaded beside it for the request-level method tests."""
+    return LLM(kv_cache_memory=64 << 20, seed=0, speculative_config='[{"method": "draft"}, {"method": "ngram"}]')
+
+
 @needs_demo
-def test_llm_without_arguments_serves_the_smollm2_demo_and_answers():
-    llm = LLM(kv_cache_memory=64 << 20, seed=0)
+def test_llm_without_arguments_serves_the_smollm2_demo_and_answers(demo_llm):
+    llm = demo_llm
     assert llm.engine.model_path == str(demo_target_gguf())
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True, tokenize=False)
@@ -49,10 +56,10 @@ def test_llm_without_arguments_serves_the_smollm2_demo_and_answers():
 
 
 @needs_demo
-def test_ngram_and_predicted_outputs_on_the_real_demo_target():
+def test_ngram_and_predicted_outputs_on_the_real_demo_target(demo_llm):
     """A real model copies text it is asked to repeat, which n-gram lookup drafts from the prompt; a prediction
     equal to the greedy answer (as text, re-tokenised) is nearly all accepted and changes nothing."""
-    llm = LLM(kv_cache_memory=64 << 20, seed=0, speculative_config='[{"method": "draft"}, {"method": "ngram"}]')
+    llm = demo_llm
 
     def chat(p):
         return llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
