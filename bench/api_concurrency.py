@@ -21,6 +21,7 @@ import time
 
 import httpx
 
+from bench.output import emit
 from bench.soak import ServerProcess, wait_healthy
 from engine.train.chat_prompts import heldout_prompts
 
@@ -125,12 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         server.kill()
-    text = json.dumps(report, indent=2)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
-    else:
-        print(text)
-    print(table(report), file=sys.stderr)
+    emit(report, args.out, table(report))
     return 0
 
 

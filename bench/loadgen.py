@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 
 import httpx
 
+from bench.output import emit
 from engine.train.chat_prompts import heldout_prompts
 
 
@@ -151,12 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     rows = asyncio.run(run(args.url, model, [int(c) for c in args.concurrency.split(",")], args.max_tokens,
                            args.requests_per_level, args.temperature, json.loads(args.extra_body)))
-    text = json.dumps({"url": args.url, "model": model, "rows": rows}, indent=2)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
-    else:
-        print(text)
-    print(table(rows), file=sys.stderr)
+    emit({"url": args.url, "model": model, "rows": rows}, args.out, table(rows))
     return 0
 
 

@@ -14,10 +14,10 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.output import emit
 from bench.spec_decode import _fmt, first_diff, machine_info, speculation_counts
 from config.schema import parse_k
 from engine import LLM, SamplingParams
@@ -169,12 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
               "prompts": {"chat": questions, "grounded": [t for t, _ in tasks]},
               "workloads": {w: summarise(runs[w], methods_for(w, has_draft, args.fixed_k), args.temperature == 0)
                             for w in workloads}}
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
-    print(table(report), file=sys.stderr)
+    emit(report, args.out, table(report))
     return report
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shlex
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from bench import loadgen
+from bench.output import emit
 from bench.soak import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,9 +49,8 @@ def hf_copy_of_demo_target(dtype: str) -> Path:
     if not (out / "tokenizer.json").exists():
         name, extra = _pretrained_args(gguf)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dt, **extra)
-        for attr in ("quantization_config",):  # the GGUF marker; the weights are dense now
-            if hasattr(model.config, attr):
-                delattr(model.config, attr)
+        if hasattr(model.config, "quantization_config"):  # the GGUF marker; the weights are dense now
+            delattr(model.config, "quantization_config")
         model.hf_quantizer = None
         model.save_pretrained(out)
         tok = AutoTokenizer.from_pretrained(name, **extra)
@@ -182,12 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "target_dir": str(hf_dir),
               "peers": peers, "machine": {"platform": platform.platform(), "processor": platform.processor(),
                                           "cpus": os.cpu_count()}}
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
-    print(table(report), file=sys.stderr)
+    emit(report, args.out, table(report))
     if args.plot:
         plot(report, args.plot)
     return 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shlex
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.output import emit
 from bench.soak_load import Stats, worker
 from bench.soak_report import RSS_FLAT_RATIO, failures_of, kv_summary, percentiles, rss_summary, summary_table
 
@@ -312,11 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if report["passed"] and not args.keep_log:
         Path(server.log_path).unlink(missing_ok=True)
         report["server"]["log"] = None
-    text = json.dumps(report, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
+    emit(report, args.out)
     if "error" in report:
         print(f"soak: {report['error']}\n{report.get('server_log_tail', '')}", file=sys.stderr)
     else:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from bench.output import emit
 from engine import LLM, SamplingParams
 from engine.attention import SeqChunk
 
@@ -296,12 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
            "num_prompt_tokens": [len(llm.engine.tokenize(p)) for p in prompts],
            "target_params": params(llm.engine.target.model), "draft_params": params(llm.engine.proposer.runner.model),
            "forward_costs": costs, "rows": rows}
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
-    print(table(rows, costs, info, args, len(prompts)), file=sys.stderr)
+    emit(doc, args.out, table(rows, costs, info, args, len(prompts)))
     return doc
 
 
