@@ -16,6 +16,16 @@ BLOCK = 4
 TOL = 1e-4
 
 
+@pytest.fixture(params=["sdpa", "eager"])
+def attention(request, monkeypatch):
+    """Both attention paths: SDPA (fp32, prefill chunks, CUDA) and the eager math CPU bf16 uses for short queries
+    (engine.attention.eager_is_faster), here forced in fp32 so that it is held to the same tolerance."""
+    if request.param == "eager":
+        import engine.attention
+        monkeypatch.setattr(engine.attention, "eager_is_faster", lambda q: q.shape[2] <= engine.attention.SHORT_QUERY)
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("runner")
@@ -61,7 +71,7 @@ def _step(runner, seqs, chunks, rows=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_chunked_ragged_forward_and_rollback_match_hf(models, arch):
+def test_chunked_ragged_forward_and_rollback_match_hf(models, arch, attention):
     path, vocab = models[arch], models["vocab"]
     model = load_model(path, torch.float32, CPU)
     if arch == "llama":
@@ -122,7 +132,7 @@ def test_logits_are_cut_or_padded_to_the_target_vocabulary(models):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch):
+def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch, attention):
     """Short chunks (decode) and long ones (prefill) attend in separate query groups; the outputs must come back
     in the forward's token order, whatever order the chunks arrive in."""
     from engine.attention import SHORT_QUERY, build_metadata
