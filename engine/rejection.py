@@ -55,3 +55,26 @@ def rejection_sample(
     out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # [B, K+1]
     out[rows, num_emitted] = next_token
     return RejectionOutput(out, num_emitted, accepted.long().sum(dim=1))
+
+
+def greedy_accept(
+    target_ids: torch.Tensor,  # [B, K+1] long: the target's argmax at each position (p one-hot there)
+    draft_token_ids: torch.Tensor,  # [B, K] long; entries at positions >= num_draft_tokens are ignored
+    num_draft_tokens: torch.Tensor,  # [B] long
+    draft_q_x: torch.Tensor | None = None,  # [B, K] q of each draft token; None = one-hot proposer (q_x = 1)
+) -> RejectionOutput:
+    """rejection_sample() when every p is one-hot at target_ids, on ids alone (O(B·K), no vocabulary-sized work):
+    x_i is accepted iff it is the argmax (and q(x_i) > 0, as there); at the first rejection the residual
+    max(0, p - q) is non-zero only at the argmax, and the bonus draw from a one-hot p is its argmax."""
+    batch, k_max = draft_token_ids.shape
+    pos = torch.arange(k_max, device=target_ids.device)[None, :]  # [1, K]
+    valid = pos < num_draft_tokens[:, None]
+    accepted = (draft_token_ids == target_ids[:, :k_max]) & valid  # [B, K]
+    if draft_q_x is not None:
+        accepted &= draft_q_x > 0
+    num_emitted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
+    rows = torch.arange(batch, device=target_ids.device)
+    out = torch.where(pos < num_emitted[:, None], draft_token_ids, torch.full_like(draft_token_ids, -1))
+    out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # [B, K+1]
+    out[rows, num_emitted] = target_ids[rows, num_emitted]
+    return RejectionOutput(out, num_emitted, accepted.long().sum(dim=1))

@@ -2,6 +2,8 @@
 
 Every row of a batch carries its own parameters. Greedy rows become one-hot distributions of the argmax, so the
 rejection sampler needs no separate greedy path: with one-hot p it accepts exactly when the draft equals the argmax.
+(A step whose rows are all greedy skips even that vocabulary-sized work: engine.rejection.greedy_accept gives the
+same result from the argmax ids.)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.rejection import rejection_sample
+from engine.rejection import greedy_accept, rejection_sample
 from engine.sampler import sample
 
 
@@ -60,6 +60,33 @@ def test_one_hot_draft_is_exact_match_rule():
     out = rejection_sample(target, None, torch.tensor([[2]]), torch.tensor([1]), torch.zeros(1, 1), torch.ones(1, 3))
     assert out.num_emitted_draft_tokens.tolist() == [0]  # p(2) = 0: rejected, residual = p minus nothing at 2
     assert out.output_token_ids[0, 0].item() in (0, 1)
+
+
+def test_greedy_accept_equals_the_general_rule_on_one_hot_targets():
+    """All-greedy steps skip the vocabulary-sized work: the rule on argmax ids must give what the general sampler
+    gives on one-hot p, for one-hot and sampled q, ragged k, matches and misses (and q = 0 at a draft token)."""
+    gen = torch.Generator().manual_seed(7)
+    batch, k_max, vocab = 64, 5, 6
+    target_ids = torch.randint(0, vocab, (batch, k_max + 1), generator=gen)
+    p = torch.nn.functional.one_hot(target_ids, vocab).float()
+    match = torch.rand(batch, k_max, generator=gen) < 0.7
+    drafts = torch.where(match, target_ids[:, :k_max], torch.randint(0, vocab, (batch, k_max), generator=gen))
+    ks = torch.randint(0, k_max + 1, (batch,), generator=gen)
+    drafts = torch.where(torch.arange(k_max)[None] < ks[:, None], drafts, torch.full_like(drafts, -1))
+    q = torch.rand(batch, k_max, vocab, generator=gen)
+    q[torch.rand(batch, k_max, generator=gen) < 0.1, :] = 0.0  # rows whose draft token has q = 0
+    q[..., 0] += 1e-3
+    q = q / q.sum(-1, keepdim=True)
+    uniforms = torch.rand(batch, k_max, generator=gen)
+    noise = torch.empty(batch, vocab).exponential_(generator=gen)
+    for draft_q in (None, q):
+        want = rejection_sample(p, draft_q, drafts, ks, uniforms, noise)
+        q_x = None if draft_q is None else draft_q.gather(-1, drafts.clamp_min(0)[..., None]).squeeze(-1)
+        got = greedy_accept(target_ids, drafts, ks, q_x)
+        assert torch.equal(got.output_token_ids, want.output_token_ids)
+        assert torch.equal(got.num_emitted_draft_tokens, want.num_emitted_draft_tokens)
+        assert torch.equal(got.num_accepted_independent, want.num_accepted_independent)
+    assert 0 < int(want.num_emitted_draft_tokens.sum()) < int(ks.sum())  # both matches and misses were exercised
 
 
 # --- distribution tests -------------------------------------------------------------------------------------------
