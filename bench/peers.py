@@ -1,6 +1,7 @@
 """specserve against its peers on one machine, one server after another, same target, same prompts, same client
 (bench/loadgen.py): specserve plain / fixed k / auto, `transformers serve --continuous-batching`, and llama.cpp's
-`llama-server` on the GGUF file (plain, and with a GGUF draft when given).
+`llama-server` on the GGUF file (plain, and with a GGUF draft when given); plus HF `generate()` plain and with
+`assistant_model` (our full-vocabulary draft) at batch 1 (bench/hf_generate.py, concurrency 1 only).
 
 `python -m bench.peers --concurrency 1,4,16 --max-tokens 64 [--llama-server PATH] [--llama-draft FILE.gguf]
  [--only specserve-plain,transformers] [--out results.json] [--plot plot.png]`
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shlex
@@ -72,6 +74,11 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
             "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(hf_dir),
                              "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
                              "--dtype", str(hf_dir).rsplit("-", 1)[-1]]}
+    full_vocab_draft = str(models_dir() / "smollm2-draft-fullvocab")  # HF's assisted generation needs the vocabulary
+    hf = [sys.executable, "-m", "bench.hf_generate", "--model", str(hf_dir), "--max-tokens", str(args.max_tokens),
+          "--requests", str(args.requests_per_level or 8), "--dtype", str(hf_dir).rsplit("-", 1)[-1]]
+    cmds["hf-generate"] = hf
+    cmds["hf-generate-assisted"] = hf + ["--assistant", full_vocab_draft]
     if args.llama_server:
         slots = max(args.concurrency)
         base = [args.llama_server, "-m", str(demo_target_gguf()), "--host", HOST, "--port", str(port),
@@ -97,7 +104,20 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> str | 
     return "not ready in time"
 
 
+def run_offline(name: str, cmd: list[str]) -> dict:
+    """HF generate() (bench/hf_generate.py) in its own process: batch 1, so a row at concurrency 1 only."""
+    print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    with tempfile.NamedTemporaryFile(prefix=f"peer-{name}-", suffix=".json") as out:
+        done = subprocess.run(cmd + ["--out", out.name], cwd=ROOT, capture_output=True, text=True,
+                              env=os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        if done.returncode:
+            return {"peer": name, "error": f"exited with {done.returncode}: {done.stderr[-300:]}"}
+        return {"peer": name, "command": shlex.join(cmd), "rows": [json.loads(Path(out.name).read_text())]}
+
+
 def run_peer(name: str, cmd: list[str], url: str, args, model: str) -> dict:
+    if name.startswith("hf-generate"):
+        return run_offline(name, cmd)
     log = tempfile.NamedTemporaryFile("w", prefix=f"peer-{name}-", suffix=".log", delete=False)
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
@@ -128,7 +148,10 @@ def table(report: dict) -> str:
         by_c = {r["concurrency"]: r for r in p["rows"]}
         cells = []
         for c in cs:
-            r = by_c[c]
+            r = by_c.get(c)
+            if r is None:  # HF generate(): batch 1 only
+                cells.append("–")
+                continue
             itl = r["itl_s"]["p50"]
             cells.append(f"{r['tokens_per_s']:.1f} ({'–' if itl is None else f'{itl * 1e3:.1f}'})"
                          + (f" {r['errors']} errors" if r["errors"] else ""))
