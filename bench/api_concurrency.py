@@ -3,8 +3,8 @@ streamed chat completions over held-out chat prompts, each round run once per k 
 `num_speculative_tokens`; 0 = plain) back to back, so plain and speculative share the server, the weights and the
 machine's state. Speedup = median over rounds of (tokens/s at k) / (tokens/s at 0 in the same round).
 
-`python -m bench.api_concurrency --concurrency 1,4,16 --ks 2,4 --max-tokens 64 --rounds 3 [--model M --draft-model D]
- [--temperature 0] [--extra-args "--max-num-seqs 16"] [--out results.json]`
+`python -m bench.api_concurrency --concurrency 1,4,16 --ks 2,4,auto --max-tokens 64 --rounds 3
+ [--model M --draft-model D] [--temperature 0] [--extra-args "--max-num-seqs 16"] [--out results.json]`
 
 Prints JSON (stdout or --out) and a markdown table (stderr).
 """
@@ -29,7 +29,8 @@ from engine.train.chat_prompts import heldout_prompts
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.api_concurrency", description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrent streams")
-    ap.add_argument("--ks", default="2,4", help="comma-separated num_speculative_tokens (0 always runs)")
+    ap.add_argument("--ks", default="2,4", help="comma-separated num_speculative_tokens (0 always runs); `auto` "
+                    "sends no k, so the server's default (auto unless --extra-args says otherwise) applies")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=3)
@@ -40,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", help="write the JSON here instead of stdout")
     args = ap.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    args.ks = sorted({int(x) for x in args.ks.split(",") if x.strip()} - {0})
+    picks = {x.strip() for x in args.ks.split(",") if x.strip()}
+    args.ks = sorted({int(x) for x in picks - {"auto"}} - {0}) + (["auto"] if "auto" in picks else [])
     args.shutdown_wait = 60
     return args
 
@@ -48,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, k: int, args, seed: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "stream": True,
-            "num_speculative_tokens": k, "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}}
+    if k != "auto":
+        body["num_speculative_tokens"] = k
     usage = spec = None
     async with client.stream("POST", "/v1/chat/completions", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -83,7 +87,7 @@ async def run(args, server: ServerProcess) -> dict:
         if why:
             raise SystemExit(f"server not healthy: {why}\n{server.log_tail()}")
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        await one_round(client, model, prompts, 2, max(args.ks), args, 0)  # warm-up
+        await one_round(client, model, prompts, 2, args.ks[0] if args.ks else 0, args, 0)  # warm-up
         rows = []
         for c in args.concurrency:
             per_k: dict[int, list[dict]] = {k: [] for k in [0, *args.ks]}

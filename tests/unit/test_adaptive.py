@@ -3,7 +3,7 @@ does not pay / some rows pay / probing)."""
 
 import pytest
 
-from engine.adaptive import PRIOR_ACCEPT, AcceptanceTracker, LinearCost, Row, goodput, plan
+from engine.adaptive import MARGIN, PRIOR_ACCEPT, AcceptanceTracker, LinearCost, Row, goodput, plan
 
 
 def _cost(a=0.030, b=0.0006, xs=(1, 5, 9, 16, 32, 64)):
@@ -53,6 +53,16 @@ def test_plan_speculates_fully_when_it_pays_and_not_at_all_when_it_does_not():
     assert plan(bad, 2, 2, cost, {"draft": 0.003}) == [0, 0]
     # good acceptance, but each draft position costs as much as a target forward: not worth it
     assert plan(good, 2, 2, cost, {"draft": 0.05}) == [0, 0]
+
+
+def test_plan_does_not_take_a_break_even_speculation():
+    """16 streams at acceptance 0.35: k = 1 for all promises under MARGIN more goodput than plain, so plain it is."""
+    cost = _cost()
+    rows = [Row([0.35, 0.12, 0.04, 0.01], 4, "draft")] * 16
+    gain = goodput(rows, [1] * 16, 16, 16, cost, {"draft": 0.0035}) / goodput(rows, [0] * 16, 16, 16, cost, {})
+    assert 1.0 < gain < 1 + MARGIN  # it would pay on paper, barely
+    assert plan(rows, 16, 16, cost, {"draft": 0.0035}) == [0] * 16
+    assert plan(rows[:1], 1, 1, cost, {"draft": 0.0035}) == [1]  # one stream: the same acceptance clearly pays
 
 
 def test_plan_trims_rows_whose_slots_do_not_pay_and_probes_idle_ones():
