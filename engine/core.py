@@ -292,6 +292,7 @@ class EngineCore:
         moves: tuple[list[int], list[int]] = ([], [])
         for b, i in enumerate(sampling):
             req, k, m = seqs[i].request, ks[b], res.num_accepted[b]
+            req.speculation.steps_by_k[k] = req.speculation.steps_by_k.get(k, 0) + 1
             if k:
                 count_speculation(req, k, m, stats)
                 self.tracker.observe(req.request_id, proposals[i].owner, k, m)

@@ -31,6 +31,9 @@ class SpeculationStats:
     num_steps: int = 0
     accepted_prediction_tokens: int | None = None  # Predicted Outputs (OpenAI's meaning), set when it finishes
     rejected_prediction_tokens: int | None = None
+    # the request's token-emitting steps by the number of draft tokens (tree nodes) they verified, 0 = none:
+    # with `auto` this is the k it chose, step by step
+    steps_by_k: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -236,6 +236,7 @@ class Speculation(BaseModel):
     num_draft_tokens: int
     num_accepted_tokens: int
     num_steps: int
+    steps_by_k: dict[str, int] = {}  # token-emitting steps by the draft tokens they verified ("0" = none)
 
 
 class Usage(BaseModel):

@@ -103,7 +103,9 @@ def speculation_sum(outs: list[RequestOutput]) -> dict:
     return {"method": methods.pop() if len(methods) == 1 else "mixed",
             "num_draft_tokens": sum(o.speculation.num_draft_tokens for o in outs),
             "num_accepted_tokens": sum(o.speculation.num_accepted_tokens for o in outs),
-            "num_steps": sum(o.speculation.num_steps for o in outs)}
+            "num_steps": sum(o.speculation.num_steps for o in outs),
+            "steps_by_k": {str(k): sum(o.speculation.steps_by_k.get(k, 0) for o in outs)
+                           for k in sorted({k for o in outs for k in o.speculation.steps_by_k})}}
 
 
 def usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:

@@ -43,8 +43,10 @@ def test_chat_completion_with_n_seed_usage_and_speculation(client):
     assert data["usage"]["completion_tokens"] == 24
     assert data["usage"]["total_tokens"] == data["usage"]["prompt_tokens"] + 24
     spec = data["speculation"]
-    assert set(spec) == {"method", "num_draft_tokens", "num_accepted_tokens", "num_steps"}
+    assert set(spec) == {"method", "num_draft_tokens", "num_accepted_tokens", "num_steps", "steps_by_k"}
     assert spec["method"] == "draft" and spec["num_draft_tokens"] > 0
+    assert sum(int(k) * n for k, n in spec["steps_by_k"].items()) == spec["num_draft_tokens"]  # summed over choices
+    assert sum(n for k, n in spec["steps_by_k"].items() if k != "0") == spec["num_steps"]
     again = client.post("/v1/chat/completions", json=body).json()
     assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in data["choices"]]
     # choice i uses seed + i: choice 1 of seed 7 equals choice 0 of seed 8

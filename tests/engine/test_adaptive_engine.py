@@ -37,6 +37,9 @@ def test_auto_with_a_draft_that_does_not_pay_backs_off_and_keeps_the_output(tiny
     outs = run(auto, PROMPTS, GREEDY, join_after=3, join_from=6)
     assert [o.output_token_ids for o in outs] == baseline
     drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    # the k auto chose, per response: decode steps without drafts (k = 0) as well as the drafting ones
+    assert all(sum(k * n for k, n in o.speculation.steps_by_k.items()) == o.speculation.num_draft_tokens for o in outs)
+    assert sum(o.speculation.steps_by_k.get(0, 0) for o in outs) > len(outs)  # more than the first-token steps
     fixed_drafted = sum(o.speculation.num_draft_tokens for o in fixed_outs)
     assert 0 < drafted < 0.5 * fixed_drafted  # it tried, measured, and backed off (probes keep it above 0)
 

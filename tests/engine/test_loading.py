@@ -42,7 +42,12 @@ def test_llm_accepts_strings_token_ids_and_param_lists(tiny):
     assert outs[1].prompt_token_ids == [5, 6, 7]
     assert outs[1].speculation.method == "draft"
     assert set(vars(outs[1].speculation)) == {"method", "num_draft_tokens", "num_accepted_tokens", "num_steps",
-                                              "accepted_prediction_tokens", "rejected_prediction_tokens"}
+                                              "accepted_prediction_tokens", "rejected_prediction_tokens",
+                                              "steps_by_k"}
+    by_k = outs[1].speculation.steps_by_k
+    assert set(by_k) <= {0, 1, 2} and by_k.get(0, 0) >= 1  # the prefill step emits the first token, verifying nothing
+    assert sum(n for k, n in by_k.items() if k) == outs[1].speculation.num_steps
+    assert sum(k * n for k, n in by_k.items()) == outs[1].speculation.num_draft_tokens
     assert outs[1].speculation.accepted_prediction_tokens is None  # no prediction given
     single = llm.generate("café", SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(single) == 1
