@@ -139,7 +139,8 @@ class Request:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             output_token_ids=out_ids, text=self.detokenizer.text, finished=self.finished,
-            finish_reason=self.finish_reason, speculation=replace(self.speculation),
+            finish_reason=self.finish_reason,
+            speculation=replace(self.speculation, steps_by_k=dict(self.speculation.steps_by_k)),  # a snapshot
             delta_text=self.detokenizer.take_delta(self.finished), delta_token_ids=delta_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None, delta_logprobs=delta_lp,
             error=self.error, arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
