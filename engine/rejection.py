@@ -51,10 +51,17 @@ def rejection_sample(
     # 0/0 guard: when p == q numerically the rejection branch is (almost) never taken; if it is, sample from p.
     final = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_j)  # [B, V]
     next_token = sample(final, noise)  # [B]
+    return RejectionOutput(_emitted(draft_token_ids, num_emitted, next_token), num_emitted, accepted.long().sum(dim=1))
+
+
+def _emitted(draft_token_ids: torch.Tensor, num_emitted: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """[B, K+1]: the accepted drafts, then the recovered / bonus token, padded with -1."""
+    batch, k_max = draft_token_ids.shape
+    pos = torch.arange(k_max, device=draft_token_ids.device)[None, :]
     out = torch.where(pos < num_emitted[:, None], draft_token_ids, torch.full_like(draft_token_ids, -1))
-    out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # [B, K+1]
-    out[rows, num_emitted] = next_token
-    return RejectionOutput(out, num_emitted, accepted.long().sum(dim=1))
+    out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)
+    out[torch.arange(batch, device=out.device), num_emitted] = next_token
+    return out
 
 
 def greedy_accept(
@@ -66,15 +73,12 @@ def greedy_accept(
     """rejection_sample() when every p is one-hot at target_ids, on ids alone (O(B·K), no vocabulary-sized work):
     x_i is accepted iff it is the argmax (and q(x_i) > 0, as there); at the first rejection the residual
     max(0, p - q) is non-zero only at the argmax, and the bonus draw from a one-hot p is its argmax."""
-    batch, k_max = draft_token_ids.shape
+    k_max = draft_token_ids.shape[1]
     pos = torch.arange(k_max, device=target_ids.device)[None, :]  # [1, K]
     valid = pos < num_draft_tokens[:, None]
     accepted = (draft_token_ids == target_ids[:, :k_max]) & valid  # [B, K]
     if draft_q_x is not None:
         accepted &= draft_q_x > 0
     num_emitted = accepted.long().cumprod(dim=1).sum(dim=1)  # [B]
-    rows = torch.arange(batch, device=target_ids.device)
-    out = torch.where(pos < num_emitted[:, None], draft_token_ids, torch.full_like(draft_token_ids, -1))
-    out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # [B, K+1]
-    out[rows, num_emitted] = target_ids[rows, num_emitted]
-    return RejectionOutput(out, num_emitted, accepted.long().sum(dim=1))
+    next_token = target_ids.gather(1, num_emitted[:, None])[:, 0]  # the argmax at the first rejection, or the bonus
+    return RejectionOutput(_emitted(draft_token_ids, num_emitted, next_token), num_emitted, accepted.long().sum(dim=1))
