@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from bench.loadgen import percentile
+from bench.loadgen import request_timing, summarize_level
 from bench.output import emit
 
 
@@ -44,10 +44,7 @@ def one_request(model, tok, prompt: str, max_tokens: int, assistant=None) -> dic
         model.generate(**ids, max_new_tokens=max_tokens, do_sample=False, streamer=clock, assistant_model=assistant,
                        pad_token_id=tok.eos_token_id)
     end = time.perf_counter() - clock.t0
-    tokens = sum(n for _, n in clock.arrivals)
-    first, last = clock.arrivals[0][0], clock.arrivals[-1][0]
-    return {"ttft_s": first, "e2e_s": end, "tokens": tokens,
-            "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None}
+    return request_timing(clock.arrivals[0][0], clock.arrivals[-1][0], end, sum(n for _, n in clock.arrivals))
 
 
 def run(model_dir: str, assistant_dir: str | None, max_tokens: int, requests: int, dtype: str) -> dict:
@@ -65,16 +62,7 @@ def run(model_dir: str, assistant_dir: str | None, max_tokens: int, requests: in
     one_request(model, tok, prompts[-1], 8, assistant)  # warm-up
     t0 = time.perf_counter()
     results = [one_request(model, tok, prompts[i % len(prompts)], max_tokens, assistant) for i in range(requests)]
-    wall = time.perf_counter() - t0
-
-    def pct(key: str) -> dict:
-        vals = [r[key] for r in results if r.get(key) is not None]
-        return {"p50": percentile(vals, 0.5), "p90": percentile(vals, 0.9), "p99": percentile(vals, 0.99)}
-
-    tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": 1, "requests": requests, "errors": 0, "first_error": None, "wall_s": wall,
-            "completion_tokens": tokens, "tokens_per_s": tokens / wall, "ttft_s": pct("ttft_s"),
-            "itl_s": pct("itl_s"), "e2e_s": pct("e2e_s")}
+    return summarize_level(results, 1, time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:

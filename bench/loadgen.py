@@ -66,6 +66,11 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     tokens = usage["completion_tokens"] if usage and usage.get("completion_tokens") else chunks
     if first is None:
         return {"error": "no content received"}
+    return request_timing(first, last, end, tokens)
+
+
+def request_timing(first: float, last: float, end: float, tokens: int) -> dict:
+    """One request's times (seconds from its start): first and last content, end; tokens share the interval."""
     return {"ttft_s": first, "e2e_s": end, "tokens": tokens,
             "itl_s": (last - first) / (tokens - 1) if tokens > 1 else None}
 
@@ -83,7 +88,11 @@ async def run_level(client: httpx.AsyncClient, body_for, prompts: list[str], con
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - t0
+    return summarize_level(results, concurrency, time.perf_counter() - t0)
+
+
+def summarize_level(results: list[dict], concurrency: int, wall: float) -> dict:
+    """A level's row from its requests' request_timing() dicts (or {"error": ...})."""
     ok = [r for r in results if "error" not in r]
     tokens = sum(r["tokens"] for r in ok)
 
@@ -91,7 +100,7 @@ async def run_level(client: httpx.AsyncClient, body_for, prompts: list[str], con
         vals = [r[key] for r in ok if r.get(key) is not None]
         return {"p50": percentile(vals, 0.5), "p90": percentile(vals, 0.9), "p99": percentile(vals, 0.99)}
 
-    return {"concurrency": concurrency, "requests": n_requests, "errors": len(results) - len(ok),
+    return {"concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
             "first_error": next((r["error"] for r in results if "error" in r), None),
             "wall_s": wall, "completion_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
             "ttft_s": pct("ttft_s"), "itl_s": pct("itl_s"), "e2e_s": pct("e2e_s")}

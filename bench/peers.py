@@ -34,6 +34,7 @@ from bench.soak import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # every peer runs without the network
 
 
 def hf_copy_of_demo_target(dtype: str) -> Path:
@@ -68,15 +69,16 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
     draft = str(models_dir() / "smollm2-draft")
     spec = [sys.executable, "-m", "server.cli", "serve", "--host", HOST, "--port", str(port), "--model", str(hf_dir),
             "--draft-model", draft, "--max-num-seqs", str(max(args.concurrency))]
+    dtype = str(hf_dir).rsplit("-", 1)[-1]  # the copy's directory name ends in its dtype
     cmds = {"specserve-plain": spec + ["--speculative-method", "none"],
             "specserve-k2": spec + ["--num-speculative-tokens", "2"],
             "specserve-auto": spec + ["--num-speculative-tokens", "auto"],
             "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(hf_dir),
                              "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
-                             "--dtype", str(hf_dir).rsplit("-", 1)[-1]]}
+                             "--dtype", dtype]}
     full_vocab_draft = str(models_dir() / "smollm2-draft-fullvocab")  # HF's assisted generation needs the vocabulary
     hf = [sys.executable, "-m", "bench.hf_generate", "--model", str(hf_dir), "--max-tokens", str(args.max_tokens),
-          "--requests", str(args.requests_per_level or 8), "--dtype", str(hf_dir).rsplit("-", 1)[-1]]
+          "--requests", str(args.requests_per_level or 8), "--dtype", dtype]
     cmds["hf-generate"] = hf
     cmds["hf-generate-assisted"] = hf + ["--assistant", full_vocab_draft]
     if args.llama_server:
@@ -109,7 +111,7 @@ def run_offline(name: str, cmd: list[str]) -> dict:
     print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     with tempfile.NamedTemporaryFile(prefix=f"peer-{name}-", suffix=".json") as out:
         done = subprocess.run(cmd + ["--out", out.name], cwd=ROOT, capture_output=True, text=True,
-                              env=os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+                              env=os.environ | OFFLINE)
         if done.returncode:
             return {"peer": name, "error": f"exited with {done.returncode}: {done.stderr[-300:]}"}
         return {"peer": name, "command": shlex.join(cmd), "rows": [json.loads(Path(out.name).read_text())]}
@@ -119,7 +121,7 @@ def run_peer(name: str, cmd: list[str], url: str, args, model: str) -> dict:
     if name.startswith("hf-generate"):
         return run_offline(name, cmd)
     log = tempfile.NamedTemporaryFile("w", prefix=f"peer-{name}-", suffix=".log", delete=False)
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = os.environ | OFFLINE
     print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     try:
