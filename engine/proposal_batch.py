@@ -22,6 +22,7 @@ class RowProposal:
     tokens: list[int]
     parents: list[int] | None = None  # a tree (node j's parent at j - 1); None: a chain
     probs: torch.Tensor | None = None  # [n, V] q of a sampled chain
+    typical: tuple[float, float] | None = None  # a tree verified by typical acceptance (LOSSY, opt-in)
 
     @property
     def is_tree(self) -> bool:
@@ -73,7 +74,8 @@ class ProposalRouter:
         if len(tokens) > cap or any(t < 0 for t in tokens):
             raise RuntimeError(f"proposer {proposer.name}: row {j} proposed {tokens} with a budget of {cap}")
         parents = None if prop.parents is None else list(prop.parents[j][: len(tokens)])
-        row = RowProposal(proposer.name, tokens, parents, None if prop.probs is None else prop.probs[j, : len(tokens)])
+        row = RowProposal(proposer.name, tokens, parents, None if prop.probs is None else prop.probs[j, : len(tokens)],
+                          proposer.needs.typical_acceptance)
         if row.is_tree:
             if not (proposer.needs.tree and self.tree_attention) or row.probs is not None:
                 raise RuntimeError(f"proposer {proposer.name}: a tree where only chains are allowed")
@@ -99,4 +101,6 @@ def draft_batch(rows: list[RowProposal | None], vocab: int, device: torch.device
     if prob_rows:  # one padding op, not a copy per row
         probs = torch.nn.utils.rnn.pad_sequence([rows[b].probs for b in prob_rows], batch_first=True)  # [P, n, V]
         probs = torch.nn.functional.pad(probs, (0, 0, 0, width - probs.shape[1]))  # [P, K, V]
-    return DraftBatch(ids.to(device), None if parents is None else parents.to(device), probs, prob_rows, tree_rows)
+    typical = {b: rows[b].typical for b in tree_rows if rows[b].typical is not None}
+    return DraftBatch(ids.to(device), None if parents is None else parents.to(device), probs, prob_rows, tree_rows,
+                      typical or None)

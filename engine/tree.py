@@ -48,6 +48,20 @@ def check_tree(parents: list[int], tokens: list[int]) -> None:
         seen.add((parent, token))
 
 
+def typical_accept(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
+                   threshold: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Medusa's typical acceptance (LOSSY: the output no longer follows p): node j is acceptable when its token's
+    probability under its parent's p exceeds min(threshold, alpha * exp(-entropy(p))). target_probs [B, K+1, V],
+    node_tokens / parents [B, K], threshold / alpha [B] -> [B, K] bool."""
+    width = node_tokens.shape[1]
+    entropy = -(target_probs * torch.log(target_probs.clamp_min(1e-30))).sum(-1)  # [B, K+1]
+    par = parents.clamp(0, width)
+    prob = target_probs.gather(1, par[..., None].expand(-1, -1, target_probs.shape[-1])) \
+        .gather(-1, node_tokens.clamp_min(0)[..., None]).squeeze(-1)  # [B, K] p_parent(token)
+    bound = torch.minimum(threshold[:, None], alpha[:, None] * torch.exp(-entropy.gather(1, par)))
+    return prob > bound
+
+
 def tree_sample(
     target_probs: torch.Tensor,  # [B, K+1, V] p at every node (the target's distribution after the node's path)
     node_tokens: torch.Tensor,  # [B, K] long, token of node j at index j - 1
@@ -55,6 +69,8 @@ def tree_sample(
     ancestors: torch.Tensor,  # [B, K+1, K+1] bool from ancestor_matrix(parents)
     num_nodes: torch.Tensor,  # [B] long, proposed nodes per row (0..K)
     noise: torch.Tensor,  # [B, K+1, V] Exp(1), one draw per depth
+    relaxed: torch.Tensor | None = None,  # [B, K] bool: nodes accepted whatever the draw (typical acceptance)
+    relaxed_rows: torch.Tensor | None = None,  # [B] bool: rows that use `relaxed` instead of the draw
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The tree rule for one-hot candidates: at a node draw y from p; if a child carries y, keep it and descend,
     else emit y and stop. -> (tokens [B, K+1] padded with -1, num_accepted [B], path [B, K+1] node of each emitted
@@ -71,7 +87,10 @@ def tree_sample(
     node_noise = noise.gather(1, depth[..., None].expand(batch, size, vocab))  # the depth-d draw at depth-d nodes
     y = sample(target_probs.reshape(-1, vocab), node_noise.reshape(-1, vocab)).view(batch, size)  # [B, K+1]
     valid = torch.arange(width, device=device)[None, :] < num_nodes[:, None]  # [B, K]
-    match = valid & (node_tokens == y.gather(1, parents.clamp(0, width)))  # node j's token is its parent's draw
+    match = node_tokens == y.gather(1, parents.clamp(0, width))  # node j's token is its parent's draw
+    if relaxed is not None:
+        match = torch.where(relaxed_rows[:, None], relaxed, match)
+    match = valid & match
     ok = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=device), match], dim=1)  # [B, K+1]
     accepted = ~(ancestors & ~ok[:, None, :]).any(-1)  # every node on the way from the root matched
     deepest = torch.where(accepted, depth, torch.full_like(depth, -1)).argmax(-1)  # [B]

@@ -10,7 +10,7 @@ import torch
 from engine.rejection import greedy_accept, rejection_sample
 from engine.request import Request
 from engine.sampler import SamplingTensors, depth_noise, exponential_noise, processed_probs, uniform_noise
-from engine.tree import ancestor_matrix, chain_parents, tree_sample
+from engine.tree import ancestor_matrix, chain_parents, tree_sample, typical_accept
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class DraftBatch:
     probs: torch.Tensor | None = None  # [P, K, V] q of the rows in prob_rows (sampled chains); the rest are one-hot
     prob_rows: tuple[int, ...] = ()
     tree_rows: tuple[int, ...] = ()  # rows whose proposal branches (the rest are chains)
+    typical: dict[int, tuple[float, float]] | None = None  # tree row -> (threshold, alpha): LOSSY typical acceptance
 
 
 @dataclass
@@ -82,8 +83,14 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], drafts:
         noise = torch.ones(len(rows), k_max + 1, vocab, device=device) if st.all_greedy else \
             depth_noise([gens[b] for b in rows], [ks[b] + 1 for b in rows], k_max + 1, vocab, default_generator,
                         device)  # [T, K+1, V]
+        relaxed = relaxed_rows = None
+        if drafts.typical:  # opted into by --medusa-typical-acceptance only
+            thr, alpha = zip(*[drafts.typical.get(b, (1.0, 1.0)) for b in rows])
+            relaxed = typical_accept(p_nodes[idx], draft_ids[idx], parents[idx], torch.tensor(thr, device=device),
+                                     torch.tensor(alpha, device=device))
+            relaxed_rows = torch.tensor([b in drafts.typical for b in rows], device=device)
         t, m, pth = tree_sample(p_nodes[idx], draft_ids[idx].clamp_min(0), parents[idx], ancestors[idx],
-                                num_draft[idx], noise)
+                                num_draft[idx], noise, relaxed, relaxed_rows)
         tokens[idx], emitted[idx], path[idx] = t, m, pth
     emit_index = offsets[:, None] + path  # [B, K+1] logits row of each emitted token
     lp = _logprob_tensors(logits, requests, emit_index, tokens)

@@ -29,6 +29,7 @@ class ProposerNeeds:
     hidden_rows: str = "verified"  # "verified": the kept rows that produced tokens; "all": every kept token
     returns_probs: bool = False  # proposals carry the exact distributions the tokens were drawn from (chains)
     tree: bool = False  # proposals may branch (one-hot candidates only)
+    typical_acceptance: tuple[float, float] | None = None  # (posterior_threshold, alpha): Medusa's LOSSY rule
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ProposerContext:
     dtype: torch.dtype
     trust_remote_code: bool = False
     tree_attention: bool = True  # the target can verify trees (no sliding-window or chunked layers)
+    lm_head: torch.Tensor | None = None  # [V, H] the target's output embedding (methods that share it)
 
 
 class Proposer(Protocol):

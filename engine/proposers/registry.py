@@ -12,6 +12,7 @@ from types import MappingProxyType
 PROPOSERS = MappingProxyType({
     "draft": "engine.proposers.draft_model:DraftModelProposer",
     "ngram": "engine.proposers.ngram:NgramProposer",
+    "medusa": "engine.proposers.medusa:MedusaProposer",
 })
 ALIASES = MappingProxyType({"draft_model": "draft", "prompt_lookup": "ngram"})  # vLLM's and HF's names
 NONE = "none"

@@ -143,7 +143,7 @@ def test_cli_type_error_names_the_flag(capsys):
         parse("--port", "abc")
     assert "--port" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse("--speculative-method", "medusa")
+        parse("--speculative-method", "eagle3")
     assert "--speculative-method" in capsys.readouterr().err
 
 
@@ -193,7 +193,7 @@ def test_invalid_values_are_rejected_by_the_schema(tmp_path, field, value):
             build_config(args, env)
 
 
-@pytest.mark.parametrize("field, value", [("log_level", "loud"), ("speculative_method", "medusa")])
+@pytest.mark.parametrize("field, value", [("log_level", "loud"), ("speculative_method", "eagle3")])
 def test_invalid_choices_from_env_and_yaml_are_rejected_by_the_schema(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         build_config(None, {f"SPECSERVE_{field.upper()}": value})
@@ -218,9 +218,9 @@ def test_unknown_or_repeated_methods_are_refused_before_anything_loads(tmp_path,
     from server.cli import main
 
     with pytest.raises(SystemExit):
-        main(["serve", "--model", str(tmp_path), "--speculative-method", "medusa"])
-    with pytest.raises(ValueError, match="^speculative_method: unknown speculative method 'medusa'"):
-        build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "medusa"})
+        main(["serve", "--model", str(tmp_path), "--speculative-method", "eagle3"])
+    with pytest.raises(ValueError, match="^speculative_method: unknown speculative method 'eagle3'"):
+        build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "eagle3"})
     cfg = '[{"method": "ngram"}, {"method": "prompt_lookup"}]'
     assert main(["serve", "--model", str(tmp_path), "--speculative-config", cfg]) == 2
     assert "speculative_config.method: method 'ngram' is listed twice" in capsys.readouterr().err
