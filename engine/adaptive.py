@@ -77,32 +77,51 @@ class RecentMedian:
 
 class AcceptanceTracker:
     """Per-position acceptance estimates a_j (probability that draft j is accepted given j - 1 were), per request
-    and per method; a new request starts from its method's."""
+    and per method; a new request starts from its method's.
 
-    def __init__(self, k_max: int):
+    Tree methods (`tree_methods`) propose k nodes, not k positions: there slot j is node j, and what is estimated
+    is s_j = P(node j lies on the accepted path) itself. A chain's product of rates would count a sibling as if it
+    followed its elder; estimated directly, sum(s_1..s_k) stays the expected accepted tokens of the first k nodes.
+    """
+
+    def __init__(self, k_max: int, tree_methods: frozenset = frozenset()):
         self.k_max = max(1, k_max)
+        self.tree_methods = tree_methods
         self._method: dict[str, list[float]] = {}
         self._request: dict[str, list[float]] = {}
         self.idle: dict[str, int] = {}  # steps since the request last speculated
 
+    def _prior(self, method: str) -> list[float]:
+        if method in self.tree_methods:  # the chain prior's survival, as node probabilities
+            return [PRIOR_ACCEPT ** j for j in range(1, self.k_max + 1)]
+        return [PRIOR_ACCEPT] * self.k_max
+
     def rates(self, request_id: str, method: str) -> list[float]:
         own = self._request.get(request_id)
-        return own if own is not None else self._method.get(method, [PRIOR_ACCEPT] * self.k_max)
+        return own if own is not None else self._method.get(method, self._prior(method))
 
     def survival(self, request_id: str, method: str) -> list[float]:
-        """s_j = a_1 ... a_j for j = 1..k_max: the probability that draft slot j is emitted."""
+        """s_j for j = 1..k_max: the probability that draft slot j is emitted."""
+        if method in self.tree_methods:
+            return list(self.rates(request_id, method))
         out, s = [], 1.0
         for a in self.rates(request_id, method):
             s *= a
             out.append(s)
         return out
 
-    def observe(self, request_id: str, method: str, k: int, m: int) -> None:
-        """k proposed, m accepted: positions 1..m passed, m + 1 failed (if m < k), the rest unobserved."""
+    def observe(self, request_id: str, method: str, k: int, m: int, path: list[int] | None = None) -> None:
+        """k proposed, m accepted: positions 1..m passed, m + 1 failed (if m < k), the rest unobserved. For a tree
+        method, `path` is the accepted path's nodes (0 = the root; None: a chain, nodes 1..m); every node <= k is
+        observed, a hit if it is on the path."""
         own = list(self.rates(request_id, method))
-        shared = self._method.setdefault(method, [PRIOR_ACCEPT] * self.k_max)
-        for j in range(min(k, m + 1, self.k_max)):
-            hit = 1.0 if j < m else 0.0
+        shared = self._method.setdefault(method, self._prior(method))
+        if method in self.tree_methods:
+            on_path = set(path[1:] if path is not None else range(1, m + 1))
+            slots = [(j, 1.0 if j + 1 in on_path else 0.0) for j in range(min(k, self.k_max))]
+        else:
+            slots = [(j, 1.0 if j < m else 0.0) for j in range(min(k, m + 1, self.k_max))]
+        for j, hit in slots:
             own[j] += REQUEST_RATE * (hit - own[j])
             shared[j] += METHOD_RATE * (hit - shared[j])
         self._request[request_id] = own

@@ -95,7 +95,8 @@ class EngineCore:
         self.forward_cost = LinearCost()
         self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position (recent median)
         self.draft_timings: dict[str, RecentMedian] = {}
-        self.tracker = AcceptanceTracker(self.num_speculative_tokens)
+        self.tracker = AcceptanceTracker(self.num_speculative_tokens,
+                                         frozenset(n for n, p in self.proposers.items() if p.needs.tree))
 
     @staticmethod
     def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:
@@ -295,7 +296,7 @@ class EngineCore:
             req.speculation.steps_by_k[k] = req.speculation.steps_by_k.get(k, 0) + 1
             if k:
                 count_speculation(req, k, m, stats)
-                self.tracker.observe(req.request_id, proposals[i].owner, k, m)
+                self.tracker.observe(req.request_id, proposals[i].owner, k, m, res.paths[b])
                 if proposals[i].is_tree:
                     src, dst = path_moves(req.block_ids, self.allocator.block_size, roots[i], res.paths[b])
                     moves[0].extend(src)

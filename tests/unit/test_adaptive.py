@@ -84,3 +84,22 @@ def test_recent_median_ignores_a_one_off_spike():
     m = RecentMedian(5)
     assert m.add(1.0) == 1.0
     assert m.add(50.0) == 25.5 and m.add(1.2) == 1.2 and m.add(0.9) == pytest.approx(1.1)
+
+
+def test_tracker_estimates_tree_nodes_directly():
+    """A tree method's slot j is node j: its survival is P(node j is on the accepted path), estimated directly
+    (a chain's product of per-position rates would credit siblings with their elder's acceptance)."""
+    t = AcceptanceTracker(6, tree_methods=frozenset({"medusa"}))
+    assert t.survival("a", "medusa") == pytest.approx([PRIOR_ACCEPT ** j for j in range(1, 7)])
+    for _ in range(40):  # nodes 1 and 2 are siblings at depth 1 (node 2 always wins), node 5 is node 2's child
+        t.observe("a", "medusa", 5, 2, path=[0, 2, 5])
+    s = t.survival("a", "medusa")
+    assert s[0] < 0.01 and s[1] > 0.99 and s[2] < 0.01 and s[3] < 0.01 and s[4] > 0.99
+    assert s[5] == pytest.approx(PRIOR_ACCEPT ** 6)  # node 6 was never proposed
+    assert t.survival("b", "medusa")[1] > PRIOR_ACCEPT ** 2  # a new request starts from the method's estimates
+    t.observe("a", "medusa", 2, 0)  # a chain step of a tree method (no path given): nothing accepted
+    assert t.survival("a", "medusa")[1] < 0.99
+    # chains are unchanged: node j accepted iff the first j were
+    chain = AcceptanceTracker(4)
+    chain.observe("a", "draft", 4, 2, path=[0, 1, 2])
+    assert chain.rates("a", "draft")[2] < PRIOR_ACCEPT
