@@ -1,4 +1,4 @@
-"""`specserve train target|draft` argument parsing and dispatch; importable without the server.
+"""`specserve train target|draft|selfgen|selfdistill|medusa` argument parsing and dispatch; importable without the server.
 
 Also runnable directly: `python -m engine.train.cli target --out models/demo-target ...`.
 """
@@ -81,6 +81,20 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     sd.add_argument("--intermediate-size", type=int, default=768)
     sd.add_argument("--num-heads", type=int, default=4)
     sd.add_argument("--num-kv-heads", type=int, default=4)
+    md = kinds.add_parser("medusa", help="Medusa heads on a selfgen set: stage 1 (frozen base) or stage 2 (joint)")
+    _add_common(md, seq_len=1024, lr=1e-3)
+    md.add_argument("--model", "--target", dest="target", required=True,
+                    help="target model: HF directory or .gguf file")
+    md.add_argument("--data", required=True, help="directory written by `train selfgen`")
+    md.add_argument("--stage", type=int, choices=(1, 2), default=1,
+                    help="1: heads on the frozen target; 2: heads warm-up, then joint training (writes a new target)")
+    md.add_argument("--medusa-num-heads", type=int, default=4)
+    md.add_argument("--medusa-num-layers", type=int, default=1, help="ResBlocks per head")
+    md.add_argument("--init-heads", default=None, help="stage 2: start from these stage-1 heads (no warm-up)")
+    md.add_argument("--head-warmup-steps", type=int, default=50, help="stage 2: heads-only steps before joint")
+    md.add_argument("--base-lr-scale", type=float, default=0.1, help="stage 2: the base's lr as a multiple of --lr")
+    md.add_argument("--lm-loss-weight", type=float, default=1.0, help="stage 2: weight of the base's own LM loss")
+    md.add_argument("--no-tree", action="store_true", help="skip measuring verify costs and choosing the tree")
     train.set_defaults(func=run_train)
     return train
 
@@ -104,6 +118,15 @@ def run_train(args: argparse.Namespace) -> dict:
                       warmup_steps=args.warmup_steps, seed=args.seed, max_minutes=args.max_minutes,
                       threads=args.threads, auto_threads=args.auto_threads,
                       ckpt_dir=args.ckpt_dir, log_every=args.log_every)
+    if args.train_kind == "medusa":
+        from .medusa import train_stage1, train_stage2
+        common = dict(num_heads=args.medusa_num_heads, num_layers=args.medusa_num_layers, max_len=args.seq_len,
+                      choose=not args.no_tree)
+        if args.stage == 1:
+            return train_stage1(args.target, args.data, args.out, cfg, **common)
+        return train_stage2(args.target, args.data, args.out, cfg, init_heads=args.init_heads,
+                            warmup_steps=args.head_warmup_steps, base_lr_scale=args.base_lr_scale,
+                            lm_weight=args.lm_loss_weight, **common)
     model_kwargs = dict(num_layers=args.num_layers, hidden=args.hidden_size,
                         intermediate=args.intermediate_size, heads=args.num_heads,
                         kv_heads=args.num_kv_heads)

@@ -126,12 +126,21 @@ def lr_at(step: int, elapsed_s: float, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, lr_scales: dict[str, float] | None = None
+                   ) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; `lr_scales` maps a parameter-name prefix to a multiple of the
+    schedule's learning rate (kept in each group's "lr_scale")."""
+    lr_scales = lr_scales or {}
+
+    def scale(name: str) -> float:
+        return next((v for prefix, v in lr_scales.items() if name.startswith(prefix)), 1.0)
+    groups: dict[tuple[bool, float], list] = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((p.dim() >= 2, scale(n)), []).append(p)
+    params = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0, "lr_scale": s}
+              for (decay, s), ps in groups.items()]
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def save_checkpoint(path: Path, model, optimizer, state: dict) -> None:
@@ -152,13 +161,14 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
 
 def run_loop(model, loss_fn: Callable, tokens: torch.Tensor | Callable[[int], object],
-             heldout: list, cfg: TrainConfig, ckpt_dir: Path, desc: str) -> dict:
+             heldout: list, cfg: TrainConfig, ckpt_dir: Path, desc: str,
+             lr_scales: dict[str, float] | None = None) -> dict:
     """Train until `steps` or `max_minutes`; checkpoint on a timer, on SIGTERM/SIGINT and at the end.
 
     `tokens` is a packed token stream (batches are `batch_at` windows) or a function step -> batch whose
     result has `num_tokens`; `loss_fn(batch)` returns a scalar loss. Returns a summary dict.
     """
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg, lr_scales)
     ckpt_path = ckpt_dir / "latest.pt"
     state = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "history": []}
     if ckpt_path.exists():
@@ -185,7 +195,7 @@ def run_loop(model, loss_fn: Callable, tokens: torch.Tensor | Callable[[int], ob
             step = state["step"]
             lr = lr_at(step, time.time() - t_start, cfg)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             batch = tokens(step) if callable(tokens) else batch_at(tokens, step, cfg)
             batch_tokens = batch.numel() if isinstance(batch, torch.Tensor) else batch.num_tokens
             threads = tuner.before_step(step) if tuner else torch.get_num_threads()
@@ -194,7 +204,7 @@ def run_loop(model, loss_fn: Callable, tokens: torch.Tensor | Callable[[int], ob
                 loss = loss_fn(batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.grad_clip)
             optimizer.step()
             if tuner:
                 tuner.after_step(time.time() - t_step)
