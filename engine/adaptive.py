@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 PRIOR_ACCEPT = 0.6  # per-position acceptance of a method before anything is measured: optimistic, so it is tried
 REQUEST_RATE = 0.3  # weight of one observation in a request's own estimates
+# ... for a tree method's nodes: each is a rare hit (Medusa's first node ~0.25), so at 0.3 three misses in a row
+# take the estimate under break-even and the request stops speculating until a lucky probe
+TREE_REQUEST_RATE = 0.1
 METHOD_RATE = 0.05  # ... in the method-wide estimates a new request starts from
 PROBE_EVERY = 16  # a request that has not speculated for this many steps probes with k = 1
 # a step speculates only if its plan promises this much more goodput than plain decoding: the estimates are noisy,
@@ -116,13 +119,15 @@ class AcceptanceTracker:
         observed, a hit if it is on the path."""
         own = list(self.rates(request_id, method))
         shared = self._method.setdefault(method, self._prior(method))
+        rate = REQUEST_RATE
         if method in self.tree_methods:
             on_path = set(path[1:] if path is not None else range(1, m + 1))
             slots = [(j, 1.0 if j + 1 in on_path else 0.0) for j in range(min(k, self.k_max))]
+            rate = TREE_REQUEST_RATE
         else:
             slots = [(j, 1.0 if j < m else 0.0) for j in range(min(k, m + 1, self.k_max))]
         for j, hit in slots:
-            own[j] += REQUEST_RATE * (hit - own[j])
+            own[j] += rate * (hit - own[j])
             shared[j] += METHOD_RATE * (hit - shared[j])
         self._request[request_id] = own
         self.idle[request_id] = 0
@@ -140,19 +145,25 @@ class Row:
     probe: bool = False  # it has not speculated for PROBE_EVERY steps
 
 
+def draft_seconds(lengths: dict[str, int], draft_cost: dict[str, float], per_step: frozenset = frozenset()) -> float:
+    """A step's proposing time: each method's cost times its longest row, or once if it drafted at all for the
+    methods in `per_step` (their cost hardly grows with k: Medusa's heads read one hidden state whatever the tree)."""
+    return sum(draft_cost.get(m, 0.0) * (min(n, 1) if m in per_step else n) for m, n in lengths.items())
+
+
 def goodput(rows: list[Row], ks: list[int], base_tokens: int, base_emitted: float, forward: LinearCost,
-            draft_cost: dict[str, float]) -> float:
+            draft_cost: dict[str, float], per_step: frozenset = frozenset()) -> float:
     """Expected emitted tokens per second of a step where rows[i] proposes ks[i] tokens."""
     emitted = base_emitted + sum(sum(r.survival[:k]) for r, k in zip(rows, ks))
     longest: dict[str, int] = {}
     for r, k in zip(rows, ks):
         longest[r.method] = max(longest.get(r.method, 0), k)
-    seconds = forward(base_tokens + sum(ks)) + sum(draft_cost.get(m, 0.0) * n for m, n in longest.items())
+    seconds = forward(base_tokens + sum(ks)) + draft_seconds(longest, draft_cost, per_step)
     return emitted / max(seconds, 1e-9)
 
 
 def plan(rows: list[Row], base_tokens: int, base_emitted: float, forward: LinearCost,
-         draft_cost: dict[str, float]) -> list[int]:
+         draft_cost: dict[str, float], per_step: frozenset = frozenset()) -> list[int]:
     """k per row. (1) For each method, the common length L (capped per row) that maximises the step's goodput —
     a proposer's cost grows with its longest row (one batched forward per position), so its first position only
     pays when enough rows share it. (2) On top, single slots, most likely first, while each raises the goodput.
@@ -169,15 +180,15 @@ def plan(rows: list[Row], base_tokens: int, base_emitted: float, forward: Linear
             trial = list(ks)
             for i in idx:
                 trial[i] = min(length, rows[i].cap)
-            g = goodput(rows, trial, base_tokens, base_emitted, forward, draft_cost)
+            g = goodput(rows, trial, base_tokens, base_emitted, forward, draft_cost, per_step)
             if g > best * (1 + 1e-6):
                 best, best_l = g, length
         for i in idx:
             ks[i] = min(best_l, rows[i].cap)
-    _add_single_slots(rows, ks, base_tokens, base_emitted, forward, draft_cost)
+    _add_single_slots(rows, ks, base_tokens, base_emitted, forward, draft_cost, per_step)
     slope = forward.coefficients()[1]
-    g = goodput(rows, ks, base_tokens, base_emitted, forward, draft_cost)
-    if g < goodput(rows, [0] * len(rows), base_tokens, base_emitted, forward, draft_cost) * (1 + MARGIN):
+    g = goodput(rows, ks, base_tokens, base_emitted, forward, draft_cost, per_step)
+    if g < goodput(rows, [0] * len(rows), base_tokens, base_emitted, forward, draft_cost, per_step) * (1 + MARGIN):
         ks = [0] * len(rows)  # break-even at best: not worth the risk
     for i, r in enumerate(rows):  # a slot is worth its token of verify work if it is emitted often enough
         while ks[i] > 0 and r.survival[ks[i] - 1] < g * slope:
@@ -187,7 +198,7 @@ def plan(rows: list[Row], base_tokens: int, base_emitted: float, forward: Linear
     return ks
 
 
-def _add_single_slots(rows, ks, base_tokens, base_emitted, forward, draft_cost) -> None:
+def _add_single_slots(rows, ks, base_tokens, base_emitted, forward, draft_cost, per_step) -> None:
     """Greedy marginal additions, the most likely next slot first (a heap), each kept only if it raises the
     goodput; O(slots log rows) with incremental sums."""
     emitted = base_emitted + sum(sum(r.survival[:k]) for r, k in zip(rows, ks))
@@ -197,7 +208,7 @@ def _add_single_slots(rows, ks, base_tokens, base_emitted, forward, draft_cost) 
         longest[r.method] = max(longest.get(r.method, 0), k)
 
     def seconds(n_tokens: int, lengths: dict[str, int]) -> float:
-        return forward(n_tokens) + sum(draft_cost.get(m, 0.0) * n for m, n in lengths.items())
+        return forward(n_tokens) + draft_seconds(lengths, draft_cost, per_step)
 
     current = emitted / max(seconds(tokens, longest), 1e-9)
     heap = [(-r.survival[ks[i]], i) for i, r in enumerate(rows) if ks[i] < r.cap]

@@ -93,7 +93,8 @@ class EngineCore:
         self.last_step = StepStats()
         # adaptive k: measured costs and tracked acceptance (engine/adaptive.py)
         self.forward_cost = LinearCost()
-        self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position (recent median)
+        self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position or per step (recent median)
+        self.per_step_cost = frozenset(n for n, p in self.proposers.items() if p.needs.cost_per_step)
         self.draft_timings: dict[str, RecentMedian] = {}
         self.tracker = AcceptanceTracker(self.num_speculative_tokens,
                                          frozenset(n for n, p in self.proposers.items() if p.needs.tree))
@@ -228,7 +229,8 @@ class EngineCore:
         base_tokens = min(len(decoding) + pending, self.config.max_num_batched_tokens)
         rows = [Row(self.tracker.survival(r.request_id, r.fallback_method), r.num_speculative_tokens,
                     r.fallback_method, self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
-        for r, k in zip(auto, plan(rows, base_tokens, len(decoding), self.forward_cost, self.draft_costs)):
+        ks = plan(rows, base_tokens, len(decoding), self.forward_cost, self.draft_costs, self.per_step_cost)
+        for r, k in zip(auto, ks):
             r.planned_k = k
             if k == 0:
                 self.tracker.idle[r.request_id] = self.tracker.idle.get(r.request_id, 0) + 1

@@ -34,7 +34,7 @@ class ProposalRouter:
         self.proposers = proposers  # name -> loaded method
         self.prediction = prediction  # the engine-owned Predicted Outputs proposer
         self.tree_attention = tree_attention
-        self.last_costs: dict[str, tuple[float, int]] = {}  # name -> (seconds, positions) of the last propose()
+        self.last_costs: dict[str, tuple[float, int]] = {}  # name -> (seconds, positions or 1) of the last propose()
 
     def all(self) -> list:
         return [*self.proposers.values(), self.prediction]
@@ -52,7 +52,8 @@ class ProposalRouter:
             t0 = time.perf_counter()
             prop = proposer.propose([requests[i] for i in idx], caps, generator)
             rows_ids = prop.token_ids.tolist()  # (the host read ends the timing: the proposer's work is done)
-            self.last_costs[proposer.name] = (time.perf_counter() - t0, max(caps))
+            positions = 1 if proposer.needs.cost_per_step else max(caps)
+            self.last_costs[proposer.name] = (time.perf_counter() - t0, positions)
             for j, i in enumerate(idx):
                 n = prop.num_tokens[j]
                 if n:

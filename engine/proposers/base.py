@@ -30,6 +30,7 @@ class ProposerNeeds:
     returns_probs: bool = False  # proposals carry the exact distributions the tokens were drawn from (chains)
     tree: bool = False  # proposals may branch (one-hot candidates only)
     typical_acceptance: tuple[float, float] | None = None  # (posterior_threshold, alpha): Medusa's LOSSY rule
+    cost_per_step: bool = False  # propose() costs about the same at any k (not one pass per drafted position)
 
 
 @dataclass(frozen=True)

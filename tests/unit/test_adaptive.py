@@ -91,7 +91,7 @@ def test_tracker_estimates_tree_nodes_directly():
     (a chain's product of per-position rates would credit siblings with their elder's acceptance)."""
     t = AcceptanceTracker(6, tree_methods=frozenset({"medusa"}))
     assert t.survival("a", "medusa") == pytest.approx([PRIOR_ACCEPT ** j for j in range(1, 7)])
-    for _ in range(40):  # nodes 1 and 2 are siblings at depth 1 (node 2 always wins), node 5 is node 2's child
+    for _ in range(80):  # nodes 1 and 2 are siblings at depth 1 (node 2 always wins), node 5 is node 2's child
         t.observe("a", "medusa", 5, 2, path=[0, 2, 5])
     s = t.survival("a", "medusa")
     assert s[0] < 0.01 and s[1] > 0.99 and s[2] < 0.01 and s[3] < 0.01 and s[4] > 0.99
@@ -103,3 +103,31 @@ def test_tracker_estimates_tree_nodes_directly():
     chain = AcceptanceTracker(4)
     chain.observe("a", "draft", 4, 2, path=[0, 1, 2])
     assert chain.rates("a", "draft")[2] < PRIOR_ACCEPT
+
+
+def test_a_per_step_cost_is_paid_once_whatever_the_tree_size():
+    """Medusa's heads cost the same for 3 nodes or 16: charged per position, a wide tree looks 16x dearer than it is
+    and the plan stays small; charged once, the plan takes the nodes whose survival pays for their verify rows."""
+    cost = _cost(a=0.040, b=0.001)
+    survival = [0.3, 0.15, 0.1, 0.08, 0.06, 0.05, 0.04, 0.03] + [0.02] * 8
+    rows = [Row(survival, 16, "medusa")]
+    assert goodput(rows, [8], 1, 1, cost, {"medusa": 0.004}, frozenset({"medusa"})) == pytest.approx(
+        goodput(rows, [8], 1, 1, cost, {"medusa": 0.0005}))  # 4 ms once = 0.5 ms x 8 positions
+    per_position = plan(rows, 1, 1, cost, {"medusa": 0.004})
+    per_step = plan(rows, 1, 1, cost, {"medusa": 0.004}, frozenset({"medusa"}))
+    assert per_position[0] < per_step[0]
+    assert all(s >= 0.02 for s in survival[: per_step[0]])  # every node kept is worth its verify row
+
+
+def test_a_tree_request_keeps_its_estimate_through_a_few_misses():
+    """Medusa's first node is right ~1 step in 4: three misses in a row must not take a request's estimate to ~0
+    (then it stops speculating); a chain's estimate moves faster, as before."""
+    tree, chain = AcceptanceTracker(4, frozenset({"medusa"})), AcceptanceTracker(4)
+    for i in range(200):  # the method's estimate, which a new request starts from: 0.25
+        hit = i % 4 == 0
+        tree.observe("warm", "medusa", 1, int(hit), path=[0, 1] if hit else [0])
+    for _ in range(3):
+        tree.observe("a", "medusa", 1, 0, path=[0])
+        chain.observe("a", "draft", 1, 0)
+    assert tree.survival("a", "medusa")[0] > 0.15
+    assert chain.survival("a", "draft")[0] < 0.25
