@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 
 def parse_choices(value, num_heads: int, field: str = "medusa_choices") -> list[tuple[int, ...]]:
     """A JSON text or a list of paths -> the paths, checked: non-empty lists of ranks >= 0, no longer than the heads,
-    every prefix present, no repeats. Ordered by length, stably (the Medusa project sorts its lists the same way),
-    so every path comes after its prefix."""
+    every prefix present, no repeats. Kept in the given order when every path already comes after its prefix: then
+    the first k nodes are a tree too, and a list written best first (as `specserve train medusa` writes it) gives a
+    row with a budget of k its k best nodes. Otherwise sorted by length, stably (as the Medusa project does)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -39,7 +40,12 @@ def parse_choices(value, num_heads: int, field: str = "medusa_choices") -> list[
     for i, path in enumerate(paths):
         if len(path) > 1 and path[:-1] not in seen:
             raise ValueError(f"{field}[{i}]: path {list(path)} has no node for its prefix {list(path[:-1])}")
-    return sorted(paths, key=len)
+    placed: set[tuple[int, ...]] = set()
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in placed:
+            return sorted(paths, key=len)
+        placed.add(path)
+    return paths
 
 
 def layout(paths: Sequence[tuple[int, ...]]) -> tuple[list[int], list[int], list[int]]:

@@ -70,8 +70,9 @@ def test_candidate_vocabulary_limits_what_heads_propose(tiny, tiny_heads):
 def test_medusa_choices_flag_overrides_the_heads_tree(tiny, tiny_heads):
     core = make_core(tiny["llama"], speculative_method="medusa", k=3, medusa_heads=str(tiny_heads["random"]),
                      medusa_choices="[[0], [0, 0], [1]]")
-    assert core.proposers["medusa"].choices == [(0,), (1,), (0, 0)]
-    assert core.proposers["medusa"].num_speculative_tokens == 3
+    medusa = core.proposers["medusa"]
+    assert medusa.choices == [(0,), (0, 0), (1,)]  # best first, as given: a budget of 2 is the chain [0], [0, 0]
+    assert medusa.parents[:2] == [0, 1] and medusa.num_speculative_tokens == 3
     with pytest.raises(ValueError, match="medusa_choices"):
         make_core(tiny["llama"], speculative_method="medusa", k=3, medusa_heads=str(tiny_heads["random"]),
                   medusa_choices="[[0, 0]]")

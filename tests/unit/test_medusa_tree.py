@@ -5,8 +5,10 @@ import pytest
 from engine.medusa_tree import best_paths, choose_tree, default_tree, layout, parse_choices, path_probabilities
 
 
-def test_parse_sorts_by_length_and_checks_prefixes():
-    assert parse_choices("[[0, 0], [0], [1]]", 2) == [(0,), (1,), (0, 0)]
+def test_parse_keeps_a_best_first_order_sorts_others_by_length_and_checks_prefixes():
+    assert parse_choices("[[0, 0], [0], [1]]", 2) == [(0,), (1,), (0, 0)]  # a path before its prefix: by length
+    # every path after its prefix: the given order stays, so the first k nodes are the k best (and a tree)
+    assert parse_choices("[[0], [0, 0], [1], [0, 0, 0]]", 3) == [(0,), (0, 0), (1,), (0, 0, 0)]
     for bad, msg in [("[[0, 1]]", "prefix"), ("[[0], [0]]", "twice"), ("[[0, 0, 0]]", "deeper"), ("[]", "non-empty"),
                      ("[[-1]]", "ranks"), ("[[true]]", "ranks"), ("{", "invalid JSON")]:
         with pytest.raises(ValueError, match=msg):
