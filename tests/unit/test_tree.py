@@ -84,9 +84,9 @@ def test_greedy_tree_walk_follows_the_argmax():
     assert m.tolist() == [1] and out[0, :2].tolist() == [4, 6]
 
 
-def _lossy_tree_sample(p, tokens, parents, anc, num, noise):
+def _lossy_tree_sample(p, tokens, parents, anc, num, noise, *relaxed):
     """Medusa-style shortcut (GUIDE §1's defect): keep a child whose token the target finds likely enough."""
-    out, m, path = tree_sample(p, tokens, parents, anc, num, noise)
+    out, m, path = tree_sample(p, tokens, parents, anc, num, noise, *relaxed)
     if tokens.shape[1] == 0:
         return out, m, path
     likely = (p[:, 0].gather(1, tokens[:, :1])[:, 0] > 0.2) & (num > 0)  # root child 1 kept whenever p > 0.2
