@@ -29,7 +29,8 @@ from engine.train.chat_prompts import heldout_prompts
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.api_concurrency", description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrent streams")
-    ap.add_argument("--ks", default="2,4", help="comma-separated num_speculative_tokens (0 always runs); `auto` "
+    ap.add_argument("--ks", default="2,4", help="comma-separated num_speculative_tokens (0 always runs), each "
+                    "optionally METHOD:K to ask for one of the server's methods (e.g. medusa:auto,draft:4); `auto` "
                     "sends no k, so the server's default (auto unless --extra-args says otherwise) applies")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -41,16 +42,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", help="write the JSON here instead of stdout")
     args = ap.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    picks = {x.strip() for x in args.ks.split(",") if x.strip()}
-    args.ks = sorted({int(x) for x in picks - {"auto"}} - {0}) + (["auto"] if "auto" in picks else [])
+    picks = [x.strip() for x in args.ks.split(",") if x.strip() and x.strip() != "0"]
+    args.ks = list(dict.fromkeys(int(x) if x.isdigit() else x for x in picks))  # in the order given
     args.shutdown_wait = 60
     return args
+
+
+def method_and_k(label) -> tuple[str | None, int | str]:
+    """2 -> (None, 2): the server's default method; "medusa:auto" -> ("medusa", "auto")."""
+    if isinstance(label, int):
+        return None, label
+    method, _, k = label.rpartition(":")
+    return method or None, int(k) if k.isdigit() else k
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, k: int, args, seed: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
             "temperature": args.temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
+    method, k = method_and_k(k)
+    if method:
+        body["speculative_method"] = method
     if k != "auto":
         body["num_speculative_tokens"] = k
     usage = spec = None

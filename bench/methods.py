@@ -3,12 +3,14 @@ code file, summarise a given passage). Methods run interleaved per repeat on the
 the within-repeat ratio to plain decoding. Prints JSON (stdout or --out) and a markdown table (stderr).
 
 `python -m bench.methods --max-tokens 96 --repeats 2 --out methods.json`
+`python -m bench.methods --medusa --concurrency 1,4,16` (Medusa heads too; c prompts per generate() call)
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import json
 import os
 import statistics
@@ -59,6 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --k auto, also run each method with this fixed k per request (rows 'METHOD@k=N')")
     ap.add_argument("--ngram-branches", type=int, default=1, help="prompt_lookup_branches (> 1: n-gram trees)")
     ap.add_argument("--prediction-k", type=int, default=8, help="num_speculative_tokens of Predicted Outputs")
+    ap.add_argument("--medusa", action="store_true",
+                    help="also load Medusa heads (--medusa-heads, else the target's or the demo target's bundled)")
+    ap.add_argument("--medusa-heads", default=None, help="a Medusa heads directory (implies --medusa)")
+    ap.add_argument("--medusa-k", type=parse_k, default="auto",
+                    help="num_speculative_tokens (tree nodes) of medusa: an integer, or auto (within the whole tree)")
+    ap.add_argument("--concurrency", default="1",
+                    help="comma-separated levels: at level c the prompts (cycled to a multiple of c) go c per "
+                         "generate() call and decode together")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -68,38 +78,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.medusa = args.medusa or args.medusa_heads is not None
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if not args.concurrency or min(args.concurrency) < 1:
+        ap.error("--concurrency: positive integers, comma-separated")
+    return args
 
 
-def methods_for(workload: str, has_draft: bool, fixed_k: int | None = None) -> list[str]:
-    base = (["draft"] if has_draft else []) + ["ngram"]
-    out = ["none"] + base + ([f"{m}@k={fixed_k}" for m in base] if fixed_k else [])
+def methods_for(workload: str, loaded: list[str], fixed_k: int | None = None) -> list[str]:
+    """loaded: the speculation methods the LLM has, in the order to run them."""
+    out = ["none"] + loaded + ([f"{m}@k={fixed_k}" for m in loaded] if fixed_k else [])
     return out + (["prediction"] if workload == "grounded" else [])
 
 
-def run_method(llm: LLM, prompts: list[str], predictions: list[str | None], method: str, args) -> tuple[list, float]:
+def at_level(items: list, concurrency: int) -> list:
+    """The workload cycled to a whole number of generate() calls of `concurrency` prompts (itself at level 1)."""
+    return [items[i % len(items)] for i in range(concurrency * math.ceil(len(items) / concurrency))]
+
+
+def run_method(llm: LLM, prompts: list[str], predictions: list[str | None], method: str, args,
+               concurrency: int = 1) -> tuple[list, float]:
+    """Every prompt once, `concurrency` per generate() call; -> (outputs in prompt order, wall seconds)."""
     outs, wall = [], 0.0
-    for i, (prompt, pred) in enumerate(zip(prompts, predictions)):
-        name, _, fixed = method.partition("@k=")
-        extra = dict(prediction=pred, speculative_method="none", num_speculative_tokens=args.prediction_k) \
-            if method == "prediction" else dict(speculative_method=name,
-                                                num_speculative_tokens=int(fixed) if fixed else None)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                seed=args.seed + i if args.temperature > 0 else None, **extra)
+    name, _, fixed = method.partition("@k=")
+    for start in range(0, len(prompts), concurrency):
+        params = []
+        for i in range(start, min(start + concurrency, len(prompts))):
+            extra = dict(prediction=predictions[i], speculative_method="none",
+                         num_speculative_tokens=args.prediction_k) if method == "prediction" else \
+                dict(speculative_method=name, num_speculative_tokens=int(fixed) if fixed else None)
+            params.append(SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                         seed=args.seed + i if args.temperature > 0 else None, **extra))
         t0 = time.perf_counter()
-        outs += llm.generate(prompt, params)
+        outs += llm.generate(prompts[start: start + concurrency], params)
         wall += time.perf_counter() - t0
     return outs, wall
 
 
-def summarise(runs: list[dict], methods: list[str], greedy: bool) -> list[dict]:
-    """runs[rep][method] = (outputs, wall seconds)."""
+def summarise(runs: list[dict], methods: list[str], greedy: bool, concurrency: int = 1) -> list[dict]:
+    """runs[rep][method] = (outputs, wall seconds), all at one concurrency level."""
     rows = []
     plain = [sum(len(o.output_token_ids) for o in r["none"][0]) / r["none"][1] for r in runs]
     for m in methods:
         tps = [sum(len(o.output_token_ids) for o in r[m][0]) / r[m][1] for r in runs]
         outs = [o for r in runs for o in r[m][0]]
-        row = {"method": m, "tokens_per_s": round(statistics.median(tps), 3),
+        row = {"method": m, "concurrency": concurrency, "tokens_per_s": round(statistics.median(tps), 3),
                "tokens_per_s_per_repeat": [round(t, 3) for t in tps],
                "speedup": round(statistics.median([t / p for t, p in zip(tps, plain)]), 4),
                "speedup_per_repeat": [round(t / p, 4) for t, p in zip(tps, plain)],
@@ -118,17 +142,19 @@ def summarise(runs: list[dict], methods: list[str], greedy: bool) -> list[dict]:
 
 def table(report: dict) -> str:
     a = report["args"]
+    medusa = f", medusa k = {a['medusa_k']}" if a.get("medusa") else ""
     lines = [f"machine: {report['machine']['cpu']} | threads {report['machine']['torch_threads']} | {a['dtype']} | "
-             f"batch 1 | {a['num_prompts']} prompts per workload x {a['max_tokens']} tokens x {a['repeats']} repeats "
-             f"| T = {a['temperature']} | k = {a['k']} (prediction {a['prediction_k']}), ngram branches "
+             f"{a['num_prompts']} prompts per workload x {a['max_tokens']} tokens x {a['repeats']} repeats "
+             f"| T = {a['temperature']} | k = {a['k']} (prediction {a['prediction_k']}){medusa}, ngram branches "
              f"{a['ngram_branches']}", "",
-             "| workload | method | tokens/s | speedup | acceptance α | τ | greedy identical |",
-             "|---|---|---|---|---|---|---|"]
+             "| workload | streams | method | tokens/s | speedup | acceptance α | τ | greedy identical |",
+             "|---|---|---|---|---|---|---|---|"]
     for workload, rows in report["workloads"].items():
         for r in rows:
             sp = r["speedup_per_repeat"]
             spread = f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 and r["method"] != "none" else ""
-            lines.append(f"| {workload} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x{spread} | "
+            lines.append(f"| {workload} | {r.get('concurrency', 1)} | {r['method']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['speedup']:.2f}x{spread} | "
                          f"{_fmt(r['acceptance_rate'])} | {_fmt(r['mean_accepted_length'], '.2f')} | "
                          f"{_fmt(r.get('greedy_identical'), '')} |")
     return "\n".join(lines)
@@ -142,8 +168,12 @@ def main(argv: list[str] | None = None) -> dict:
     if config and args.draft_model:
         config[0]["model"] = args.draft_model
     config.append({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_branches": args.ngram_branches})
+    if args.medusa:  # auto ranges over the whole tree, whatever --max-k says for the chains
+        config.append({"method": "medusa", "num_speculative_tokens": args.medusa_k, "max_speculative_tokens": 64}
+                      | ({"medusa_heads": args.medusa_heads} if args.medusa_heads else {}))
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
-              kv_cache_memory=512 << 20, max_num_seqs=4, seed=args.seed, max_speculative_tokens=args.max_k)
+              kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,
+              max_speculative_tokens=args.max_k)
     args.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what `auto` resolved to, for the report
 
     def chat(text: str) -> str:
@@ -154,20 +184,23 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = grounded_tasks(args.num_prompts)
     workloads = {"chat": ([chat(q) for q in questions], [None] * len(questions)),
                  "grounded": ([chat(t) for t, _ in tasks], [p for _, p in tasks])}
-    has_draft = "draft" in llm.engine.proposers
+    loaded = [m for m in ("draft", "ngram", "medusa") if m in llm.engine.proposers]
     info = machine_info(llm.engine.device)
     info["loadavg_start"] = list(os.getloadavg())
     llm.generate(workloads["chat"][0][0], SamplingParams(max_tokens=8))  # warm-up
-    runs: dict[str, list[dict]] = {w: [] for w in workloads}
+    runs: dict[tuple[str, int], list[dict]] = {(w, c): [] for w in workloads for c in args.concurrency}
     for rep in range(args.repeats):
-        for w, (prompts, preds) in workloads.items():
-            runs[w].append({m: run_method(llm, prompts, preds, m, args)
-                            for m in methods_for(w, has_draft, args.fixed_k)})
+        for c in args.concurrency:
+            for w, (prompts, preds) in workloads.items():
+                runs[w, c].append({m: run_method(llm, at_level(prompts, c), at_level(preds, c), m, args, c)
+                                   for m in methods_for(w, loaded, args.fixed_k)})
         print(f"[bench] repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
     info["loadavg_end"] = list(os.getloadavg())
     report = {"benchmark": "methods", "machine": info, "args": vars(args), "speculative_config": config,
               "prompts": {"chat": questions, "grounded": [t for t, _ in tasks]},
-              "workloads": {w: summarise(runs[w], methods_for(w, has_draft, args.fixed_k), args.temperature == 0)
+              "workloads": {w: [row for c in args.concurrency
+                                for row in summarise(runs[w, c], methods_for(w, loaded, args.fixed_k),
+                                                     args.temperature == 0, c)]
                             for w in workloads}}
     emit(report, args.out, table(report))
     return report
