@@ -6,8 +6,9 @@ the target's frozen LM head shared by every head (ours: a 49k x 576 projection p
 
 On disk, a directory with `medusa_config.json` (`medusa_num_heads`, `medusa_num_layers`, optionally
 `medusa_choices`, the tree the trainer picked; the public format's `config.json` is read too, so heads can sit inside
-a target directory whose `config.json` is the model's) and `medusa_lm_head.safetensors` (or `.pt`) with the public format's keys:
-`{k}.{j}.linear.weight|bias` for ResBlock j of head k and `{k}.{L}.weight` for its projection (absent: shared).
+a target directory whose `config.json` is the model's) and `medusa_lm_head.safetensors` (or `.pt`) with the public
+format's keys: `{k}.{j}.linear.weight|bias` for ResBlock j of head k and `{k}.{L}.weight` for its projection
+(absent: shared).
 Optionally `medusa_vocab.safetensors` ("ids" [Vc]): the target ids that shared heads may propose, so each head
 projects onto Vc rows of the LM head instead of all of them (a 49k x 576 head costs ~6 ms a step on a 2-core CPU, an
 8k one ~0.5 ms). Lossless: proposals are one-hot candidates, and the target verifies them whatever they are.

@@ -45,7 +45,8 @@ def heads_directory(cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> Path:
 class MedusaProposer:
     name = "medusa"
     max_model_len = None
-    needs = ProposerNeeds(hidden_layers=(FINAL,), tree=True, cost_per_step=True)  # per instance: typical acceptance when asked for
+    # per instance: typical acceptance when asked for
+    needs = ProposerNeeds(hidden_layers=(FINAL,), tree=True, cost_per_step=True)
 
     def __init__(self, heads, lm_head: torch.Tensor | None, choices: list[tuple[int, ...]], device: torch.device,
                  num_speculative_tokens: int, typical: tuple[float, float] | None = None,

@@ -1,4 +1,4 @@
-"""`specserve train target|draft|selfgen|selfdistill|medusa` argument parsing and dispatch; importable without the server.
+"""`specserve train target|draft|selfgen|selfdistill|medusa`: argument parsing and dispatch; no server imports.
 
 Also runnable directly: `python -m engine.train.cli target --out models/demo-target ...`.
 """
