@@ -314,7 +314,7 @@ def train_stage2(target_path: str, data: str | Path | list[dict], out: str | Pat
                "phases": {k: {kk: vv for kk, vv in v.items() if kk != "config"} for k, v in phases.items()}}
     export_hf(target, tokenizer, out, summary)  # a new target: bf16 weights, tokenizer, template
     target = load_target(str(out), torch.bfloat16).eval()
-    pos = [_Positions(*cache_hidden(target, held_recs))][0]
+    pos = _Positions(*cache_hidden(target, held_recs))
     accuracy = head_accuracy(heads, lm_head_weight(target), pos.states, pos.labels)
     extra = {"stage": 2, "base_model": str(out)}
     if choose:
