@@ -52,6 +52,26 @@ def test_medusa_greedy_identical_in_a_concurrent_batch(tiny, tiny_heads, baselin
         assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
 
 
+def test_identity_heads_read_the_row_that_emitted_the_newest_token(tiny, tiny_heads, baseline):
+    """The proposer's state, checked where greedy identity cannot see it: an untrained head 0 *is* the LM head, so
+    on the hidden state of the row that emitted the newest token its top-1 is that token under greedy — through
+    prefill chunks, rejections, accepted tree paths and staggered arrivals. A stale or wrong row shows here."""
+    core = make_core(tiny["llama"], speculative_method="medusa", k=6, medusa_heads=str(tiny_heads["zero"]),
+                     max_num_batched_tokens=48)
+    medusa, seen = core.proposers["medusa"], []
+    propose = medusa.propose
+
+    def spy(requests, ks, generator):
+        prop = propose(requests, ks, generator)
+        seen.extend((r.token_ids[-1], int(prop.token_ids[i, 0])) for i, r in enumerate(requests)
+                    if prop.num_tokens[i])
+        return prop
+    medusa.propose = spy
+    outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=6)
+    assert [o.output_token_ids for o in outs] == baseline
+    assert len(seen) > 50 and all(last == first for last, first in seen)
+
+
 def test_candidate_vocabulary_limits_what_heads_propose(tiny, tiny_heads):
     """medusa_vocab.safetensors: shared heads project onto those LM-head rows only and propose those ids only."""
     core = make_core(tiny["llama"], speculative_method="medusa", k=6, medusa_heads=str(tiny_heads["subvocab"]))
