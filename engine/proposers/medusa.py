@@ -12,6 +12,7 @@ any prefix of that order is a tree).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -45,8 +46,7 @@ def heads_directory(cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> Path:
 class MedusaProposer:
     name = "medusa"
     max_model_len = None
-    # per instance: typical acceptance when asked for
-    needs = ProposerNeeds(hidden_layers=(FINAL,), tree=True, cost_per_step=True)
+    needs = ProposerNeeds(hidden_layers=(FINAL,), tree=True, cost_per_step=True)  # + typical acceptance if asked
 
     def __init__(self, heads, lm_head: torch.Tensor | None, choices: list[tuple[int, ...]], device: torch.device,
                  num_speculative_tokens: int, typical: tuple[float, float] | None = None,
@@ -65,7 +65,7 @@ class MedusaProposer:
         self.heads_for = [0] + [max(head_of[:n]) + 1 for n in range(1, len(choices) + 1)]
         self.ranks_for = [0] + [max(rank_of[:n]) + 1 for n in range(1, len(choices) + 1)]
         self.num_speculative_tokens = min(num_speculative_tokens, len(choices))
-        self.needs = ProposerNeeds(hidden_layers=(FINAL,), tree=True, typical_acceptance=typical, cost_per_step=True)
+        self.needs = dataclasses.replace(MedusaProposer.needs, typical_acceptance=typical)
         self._hidden: dict[str, torch.Tensor] = {}  # request id -> [H] state of its last kept position
 
     @classmethod

@@ -28,7 +28,7 @@ from engine.medusa_heads import MedusaHeads, load_heads
 from engine.medusa_tree import choose_tree
 
 from .loop import TrainConfig, compute_autocast, default_ckpt_dir, export_hf, run_loop, setup_runtime
-from .selfdistill import load_set
+from .selfdistill import load_set, split_by_prompt
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k (Medusa-1)
 MAX_HEADS = 8  # labels cached per position
@@ -41,10 +41,6 @@ def load_target(path: str, dtype: torch.dtype):
     target = load_model(path, dtype, torch.device("cpu"))
     target.set_attn_implementation("sdpa")  # the engine's loader installs its paged attention
     return target
-
-
-def heldout(record: dict) -> bool:
-    return record["prompt_index"] % 10 == 0  # every tenth prompt, both of its answers
 
 
 def sequences(record: dict) -> tuple[torch.Tensor, int]:
@@ -172,8 +168,7 @@ def pick_tree(accuracy: list[list[float]], target, max_nodes: int = 64) -> tuple
 
 
 def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
-    train = [r for r in records if not heldout(r)]
-    held = [r for r in records if heldout(r)]
+    train, held = split_by_prompt(records, 10)  # every tenth prompt
     return train, held or train[: max(1, len(train) // 10)]
 
 

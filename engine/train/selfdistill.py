@@ -45,6 +45,13 @@ def frequent_tokens(records: list[dict], size: int, always: list[int]) -> torch.
     return torch.tensor(list(always) + order[: size - len(always)], dtype=torch.long)
 
 
+def split_by_prompt(records: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(train, held out): 1 prompt in `every` is held out by its index (both of its answers), so the split stays the
+    same as the set grows between runs."""
+    held = [r for r in records if r.get("prompt_index", r["index"]) % every == 0]
+    return [r for r in records if r.get("prompt_index", r["index"]) % every], held
+
+
 def make_batch(records: list[dict], vmap: VocabMap | None) -> SeqBatch:
     length = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in records)
     k = records[0]["top_ids"].shape[1]
@@ -120,9 +127,7 @@ def train_selfdistill(target_path: str, data: str | Path, out: str | Path, cfg: 
     tokenizer = load_tokenizer(target_path)
     target = load_model(target_path, torch.float32, torch.device("cpu"))
     records = load_set(data, max_len)
-    # held out by prompt index (1 in 30), so the split stays the same as the set grows between runs
-    heldout = [r for r in records if r.get("prompt_index", r["index"]) % 30 == 0]
-    train = [r for r in records if r.get("prompt_index", r["index"]) % 30]
+    train, heldout = split_by_prompt(records, 30)
     vocab = target.config.vocab_size
     eos = target.generation_config.eos_token_id
     always = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
