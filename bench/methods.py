@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     if config and args.draft_model:
         config[0]["model"] = args.draft_model
     config.append({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_branches": args.ngram_branches})
-    if args.medusa:  # auto ranges over the whole tree, whatever --max-k says for the chains
-        config.append({"method": "medusa", "num_speculative_tokens": args.medusa_k, "max_speculative_tokens": 64}
+    if args.medusa:  # its auto ranges over the whole tree, whatever --max-k says for the chains
+        config.append({"method": "medusa", "num_speculative_tokens": args.medusa_k}
                       | ({"medusa_heads": args.medusa_heads} if args.medusa_heads else {}))
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
               kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,
