@@ -297,7 +297,7 @@ class EngineCore:
             req, k, m = seqs[i].request, ks[b], res.num_accepted[b]
             req.speculation.steps_by_k[k] = req.speculation.steps_by_k.get(k, 0) + 1
             if k:
-                count_speculation(req, k, m, stats)
+                count_speculation(req, k, m, stats, proposals[i].depth)
                 self.tracker.observe(req.request_id, proposals[i].owner, k, m, res.paths[b])
                 if proposals[i].is_tree:
                     src, dst = path_moves(req.block_ids, self.allocator.block_size, roots[i], res.paths[b])

@@ -23,6 +23,12 @@ class RowProposal:
     parents: list[int] | None = None  # a tree (node j's parent at j - 1); None: a chain
     probs: torch.Tensor | None = None  # [n, V] q of a sampled chain
     typical: tuple[float, float] | None = None  # a tree verified by typical acceptance (LOSSY, opt-in)
+    tree_depth: int = 0  # a tree's depth (set once it is checked); a chain's is its length
+
+    @property
+    def depth(self) -> int:
+        """Draft positions the proposal reaches: what per-position acceptance counts (nodes of a tree share them)."""
+        return self.tree_depth if self.is_tree else len(self.tokens)
 
     @property
     def is_tree(self) -> bool:
@@ -80,7 +86,7 @@ class ProposalRouter:
         if row.is_tree:
             if not (proposer.needs.tree and self.tree_attention) or row.probs is not None:
                 raise RuntimeError(f"proposer {proposer.name}: a tree where only chains are allowed")
-            check_tree(parents, tokens)
+            row.tree_depth = check_tree(parents, tokens)
         return row
 
 

@@ -20,6 +20,7 @@ class StepStats:
     speculative_tokens_chosen: list[int] = field(default_factory=list)  # k of each drafting sequence
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
     draft_methods: list[str] = field(default_factory=list)  # the method of each drafting sequence (same order)
+    draft_depths: list[int] = field(default_factory=list)  # positions each one's proposal reaches (a tree: its depth)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0

@@ -10,8 +10,8 @@ from engine.request import Request
 from engine.stats import StepStats
 
 
-def count_speculation(req: Request, k: int, m: int, stats: StepStats) -> None:
-    """A row proposed k tokens and m were accepted."""
+def count_speculation(req: Request, k: int, m: int, stats: StepStats, depth: int) -> None:
+    """A row proposed k tokens (nodes) reaching `depth` positions, and m were accepted."""
     req.speculation.num_steps += 1
     req.speculation.num_draft_tokens += k
     req.speculation.num_accepted_tokens += m
@@ -21,6 +21,7 @@ def count_speculation(req: Request, k: int, m: int, stats: StepStats) -> None:
     stats.speculative_tokens_chosen.append(k)
     stats.accepted_lengths.append(m + 1)
     stats.draft_methods.append(req.speculation.method)
+    stats.draft_depths.append(depth)
     for j in range(m):
         stats.num_accepted_tokens_per_pos[j] += 1
 

@@ -37,15 +37,19 @@ def depths(ancestors: torch.Tensor) -> torch.Tensor:
     return ancestors.sum(-1) - 1
 
 
-def check_tree(parents: list[int], tokens: list[int]) -> None:
-    """Raise ValueError unless `parents` (node j's parent at index j - 1) is topological and siblings differ."""
+def check_tree(parents: list[int], tokens: list[int]) -> int:
+    """Raise ValueError unless `parents` (node j's parent at index j - 1) is topological and siblings differ;
+    -> the tree's depth (its deepest node's, the root at 0)."""
     seen: set[tuple[int, int]] = set()
+    depth = [0]
     for j, (parent, token) in enumerate(zip(parents, tokens), start=1):
         if not 0 <= parent < j:
             raise ValueError(f"tree node {j}: parent {parent} must be in [0, {j})")
         if (parent, token) in seen:
             raise ValueError(f"tree node {j}: a sibling already proposes token {token}")
         seen.add((parent, token))
+        depth.append(depth[parent] + 1)
+    return max(depth)
 
 
 def typical_accept(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,

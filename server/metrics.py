@@ -38,7 +38,7 @@ class Metrics:
                                            "Draft tokens emitted (accepted before the first rejection)", spec,
                                            registry=r)
         self.accepted_per_pos = Counter("specserve_spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens emitted at each draft position (0-based)",
+                                        "Draft tokens emitted at each draft position (0-based; a tree's depth)",
                                         spec + ["position"], registry=r)
         self.acceptance_rate = Gauge("specserve_spec_decode_acceptance_rate",
                                      f"Accepted / draft tokens over the last {ACCEPTANCE_WINDOW_SECONDS:.0f} s "
@@ -88,11 +88,12 @@ class Metrics:
         m, k = self.model, self.method
         if s.num_drafts:
             # per drafting sequence, labelled with its request's method (requests may choose theirs)
-            for method, chosen, length in zip(s.draft_methods, s.speculative_tokens_chosen, s.accepted_lengths):
+            for method, chosen, length, depth in zip(s.draft_methods, s.speculative_tokens_chosen, s.accepted_lengths,
+                                                     s.draft_depths):
                 self.num_drafts.labels(m, method).inc()
                 self.num_draft_tokens.labels(m, method).inc(chosen)
                 self.num_accepted_tokens.labels(m, method).inc(length - 1)
-                for pos in range(chosen):  # every proposed position gets its series, accepted or not
+                for pos in range(depth):  # every proposed position (a tree's depth) gets its series, accepted or not
                     self.accepted_per_pos.labels(m, method, str(pos)).inc(1 if pos < length - 1 else 0)
                 self.accepted_length.labels(m, method).observe(length)
                 self.chosen_k.labels(m, method).observe(chosen)

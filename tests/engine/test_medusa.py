@@ -72,6 +72,23 @@ def test_identity_heads_read_the_row_that_emitted_the_newest_token(tiny, tiny_he
     assert len(seen) > 50 and all(last == first for last, first in seen)
 
 
+def test_a_trees_positions_are_its_depths(tiny, tiny_heads):
+    """Per-position acceptance counts depths: 6 nodes of a 3-level tree reach 3 positions, not 6."""
+    core = make_core(tiny["llama"], speculative_method="medusa", k=6, medusa_heads=str(tiny_heads["random"]))
+    chosen, depths = [], []
+    step = core.step
+
+    def spy():
+        outs = step()
+        chosen.extend(core.last_step.speculative_tokens_chosen)
+        depths.extend(core.last_step.draft_depths)
+        return outs
+    core.step = spy
+    run(core, PROMPTS[:3], GREEDY)
+    assert 6 in chosen and len(depths) == len(chosen)
+    assert all(d == max(len(p) for p in TREE[:k]) for k, d in zip(chosen, depths))
+
+
 def test_candidate_vocabulary_limits_what_heads_propose(tiny, tiny_heads):
     """medusa_vocab.safetensors: shared heads project onto those LM-head rows only and propose those ids only."""
     core = make_core(tiny["llama"], speculative_method="medusa", k=6, medusa_heads=str(tiny_heads["subvocab"]))
