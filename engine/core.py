@@ -58,7 +58,8 @@ class EngineCore:
         self.vocab_size = target.config.vocab_size
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
-                              self.dtype, remote, tree_attention, target.get_output_embeddings().weight)
+                              self.dtype, remote, tree_attention, target.get_output_embeddings().weight,
+                              target.get_input_embeddings())
         self.proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
         self.default_method = next(iter(self.proposers), NONE)
         self.router = ProposalRouter(self.proposers, PredictionProposer(self.device), tree_attention)

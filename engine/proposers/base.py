@@ -71,6 +71,7 @@ class ProposerContext:
     trust_remote_code: bool = False
     tree_attention: bool = True  # the target can verify trees (no sliding-window or chunked layers)
     lm_head: torch.Tensor | None = None  # [V, H] the target's output embedding (methods that share it)
+    input_embeddings: torch.nn.Module | None = None  # the target's token embedding (methods that share it)
 
 
 class Proposer(Protocol):

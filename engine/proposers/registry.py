@@ -13,6 +13,7 @@ PROPOSERS = MappingProxyType({
     "draft": "engine.proposers.draft_model:DraftModelProposer",
     "ngram": "engine.proposers.ngram:NgramProposer",
     "medusa": "engine.proposers.medusa:MedusaProposer",
+    "dflash": "engine.proposers.dflash:DFlashProposer",
 })
 ALIASES = MappingProxyType({"draft_model": "draft", "prompt_lookup": "ngram"})  # vLLM's and HF's names
 NONE = "none"
