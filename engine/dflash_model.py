@@ -38,6 +38,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
+    if end - start < num_draft_layers - 1:  # a target too shallow for that rule: spread over all its layers
+        start, end = 0, num_target_layers - 1
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
@@ -154,8 +156,8 @@ def block_masks(drafter: DFlashDrafter, ctx_visible: torch.Tensor, q_pos: torch.
     """Per-layer masks [S, Q, L + Q]: ctx_visible [S, Q, L] (which context keys each query may see), same_block
     [S, Q, Q] (which block keys), key positions k_pos [S, L + Q]; windows applied per layer."""
     full = torch.cat([ctx_visible, same_block], dim=2)
-    cache: dict = {}
-    return [cache.setdefault(w, window_mask(full, q_pos, k_pos, w)) for w in drafter.windows]
+    by_window = {w: window_mask(full, q_pos, k_pos, w) for w in set(drafter.windows)}
+    return [by_window[w] for w in drafter.windows]
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -259,6 +261,8 @@ def new_config(target_config, num_layers: int, block_size: int, mask_token_id: i
                        intermediate_size=intermediate_size or t.intermediate_size, num_hidden_layers=num_layers,
                        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
                        head_dim=head_dim, rms_norm_eps=t.rms_norm_eps,
+                       attention_bias=bool(getattr(t, "attention_bias", False)),
+                       hidden_act=getattr(t, "hidden_act", "silu"),
                        max_position_embeddings=t.max_position_embeddings, rope_parameters=rope,
                        tie_word_embeddings=False, architectures=[ARCHITECTURE], block_size=block_size,
                        num_target_layers=t.num_hidden_layers,

@@ -1,4 +1,4 @@
-"""`specserve train target|draft|selfgen|selfdistill|medusa`: argument parsing and dispatch; no server imports.
+"""`specserve train target|draft|selfgen|selfdistill|medusa|dflash`: argument parsing and dispatch; no server imports.
 
 Also runnable directly: `python -m engine.train.cli target --out models/demo-target ...`.
 """
@@ -95,6 +95,27 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     md.add_argument("--base-lr-scale", type=float, default=0.1, help="stage 2: the base's lr as a multiple of --lr")
     md.add_argument("--lm-loss-weight", type=float, default=1.0, help="stage 2: weight of the base's own LM loss")
     md.add_argument("--no-tree", action="store_true", help="skip measuring verify costs and choosing the tree")
+    df = kinds.add_parser("dflash", help="a DFlash block-diffusion drafter on a selfgen set (frozen target)")
+    _add_common(df, seq_len=1024, lr=6e-4)
+    df.add_argument("--model", "--target", dest="target", required=True,
+                    help="target model: HF directory or .gguf file")
+    df.add_argument("--data", required=True, help="directory written by `train selfgen`")
+    df.add_argument("--num-layers", type=int, default=2, help="drafter layers")
+    df.add_argument("--block-size", type=int, default=8, help="block size B: one forward drafts B - 1 tokens")
+    df.add_argument("--target-layer-ids", default="",
+                    help="comma-separated target layers whose outputs form the context (default: z-lab's spacing)")
+    df.add_argument("--num-context-layers", type=int, default=0,
+                    help="with the default spacing: how many target layers (default: one per drafter layer)")
+    df.add_argument("--mask-token-id", type=int, default=None,
+                    help="the MASK id (default: the highest special token id the data never uses)")
+    df.add_argument("--num-anchors", type=int, default=16, help="blocks per sequence per step")
+    df.add_argument("--gamma", type=float, default=None,
+                    help="loss weight of block position k: exp(-(k - 1) / gamma) (default 4 for B <= 8, else 7)")
+    df.add_argument("--init-layers", default="",
+                    help="comma-separated target layers initialising the drafter's layers (one each)")
+    df.add_argument("--vocab-map", default=None,
+                    help="vocab_map.safetensors (int64 d2t) restricting the LM head to those target ids")
+    df.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: the target's)")
     train.set_defaults(func=run_train)
     return train
 
@@ -107,6 +128,11 @@ def _run_selfgen(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     return generate_set(args.target, args.out, args.max_minutes, max_tokens=args.max_tokens, top_k=args.top_k,
                         batch=args.batch, seed=args.seed, passes=args.passes)
+
+
+def _int_list(text: str) -> list[int] | None:
+    """"1,4,7" -> [1, 4, 7]; empty -> None."""
+    return [int(x) for x in text.split(",") if x.strip()] or None
 
 
 def run_train(args: argparse.Namespace) -> dict:
@@ -127,6 +153,14 @@ def run_train(args: argparse.Namespace) -> dict:
         return train_stage2(args.target, args.data, args.out, cfg, init_heads=args.init_heads,
                             warmup_steps=args.head_warmup_steps, base_lr_scale=args.base_lr_scale,
                             lm_weight=args.lm_loss_weight, **common)
+    if args.train_kind == "dflash":
+        from .dflash import train_dflash
+        return train_dflash(args.target, args.data, args.out, cfg, num_layers=args.num_layers,
+                            block_size=args.block_size, target_layer_ids=_int_list(args.target_layer_ids),
+                            num_context_layers=args.num_context_layers or None, mask_token_id=args.mask_token_id,
+                            num_anchors=args.num_anchors, gamma=args.gamma, init_layers=_int_list(args.init_layers),
+                            vocab_map=args.vocab_map, intermediate_size=args.intermediate_size or None,
+                            max_len=args.seq_len)
     model_kwargs = dict(num_layers=args.num_layers, hidden=args.hidden_size,
                         intermediate=args.intermediate_size, heads=args.num_heads,
                         kv_heads=args.num_kv_heads)
