@@ -4,6 +4,7 @@ the within-repeat ratio to plain decoding. Prints JSON (stdout or --out) and a m
 
 `python -m bench.methods --max-tokens 96 --repeats 2 --out methods.json`
 `python -m bench.methods --medusa --concurrency 1,4,16` (Medusa heads too; c prompts per generate() call)
+`python -m bench.methods --medusa --dflash --concurrency 1,4,8,16` (and the DFlash drafter)
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--medusa-heads", default=None, help="a Medusa heads directory (implies --medusa)")
     ap.add_argument("--medusa-k", type=parse_k, default="auto",
                     help="num_speculative_tokens (tree nodes) of medusa: an integer, or auto (within the whole tree)")
+    ap.add_argument("--dflash", action="store_true",
+                    help="also load a DFlash drafter (--dflash-model, else the demo target's bundled one)")
+    ap.add_argument("--dflash-model", default=None, help="a DFlash drafter directory (implies --dflash)")
+    ap.add_argument("--dflash-k", type=parse_k, default="auto",
+                    help="num_speculative_tokens of dflash: an integer <= block size - 1, or auto (within the block)")
     ap.add_argument("--concurrency", default="1",
                     help="comma-separated levels: at level c the prompts (cycled to a multiple of c) go c per "
                          "generate() call and decode together")
@@ -80,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     args.medusa = args.medusa or args.medusa_heads is not None
+    args.dflash = args.dflash or args.dflash_model is not None
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency: positive integers, comma-separated")
@@ -143,6 +150,7 @@ def summarise(runs: list[dict], methods: list[str], greedy: bool, concurrency: i
 def table(report: dict) -> str:
     a = report["args"]
     medusa = f", medusa k = {a['medusa_k']}" if a.get("medusa") else ""
+    medusa += f", dflash k = {a['dflash_k']}" if a.get("dflash") else ""
     lines = [f"machine: {report['machine']['cpu']} | threads {report['machine']['torch_threads']} | {a['dtype']} | "
              f"{a['num_prompts']} prompts per workload x {a['max_tokens']} tokens x {a['repeats']} repeats "
              f"| T = {a['temperature']} | k = {a['k']} (prediction {a['prediction_k']}){medusa}, ngram branches "
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.medusa:  # its auto ranges over the whole tree, whatever --max-k says for the chains
         config.append({"method": "medusa", "num_speculative_tokens": args.medusa_k}
                       | ({"medusa_heads": args.medusa_heads} if args.medusa_heads else {}))
+    if args.dflash:  # like medusa's, its auto ranges over the whole block
+        config.append({"method": "dflash", "num_speculative_tokens": args.dflash_k}
+                      | ({"model": args.dflash_model} if args.dflash_model else {}))
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
               kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,
               max_speculative_tokens=args.max_k)
@@ -184,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = grounded_tasks(args.num_prompts)
     workloads = {"chat": ([chat(q) for q in questions], [None] * len(questions)),
                  "grounded": ([chat(t) for t, _ in tasks], [p for _, p in tasks])}
-    loaded = [m for m in ("draft", "ngram", "medusa") if m in llm.engine.proposers]
+    loaded = [m for m in ("draft", "ngram", "medusa", "dflash") if m in llm.engine.proposers]
     info = machine_info(llm.engine.device)
     info["loadavg_start"] = list(os.getloadavg())
     llm.generate(workloads["chat"][0][0], SamplingParams(max_tokens=8))  # warm-up
