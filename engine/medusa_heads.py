@@ -70,7 +70,8 @@ class MedusaHeads(nn.Module):
             return torch.stack([p(s) for p, s in zip(self.proj, states)])
         if lm_head is None:
             raise ValueError("medusa heads: shared heads need the target's LM head")
-        return states @ lm_head.t()
+        k, n, h = states.shape  # 2-D: a batched matmul measured 2x slower here (and ~60x on a strided view)
+        return torch.nn.functional.linear(states.reshape(k * n, h), lm_head).view(k, n, -1)
 
     # -- the public format ------------------------------------------------------------------------------------
     def medusa_state_dict(self) -> dict[str, torch.Tensor]:

@@ -163,8 +163,8 @@ class DFlashProposer:
         same_block = torch.ones(s, b, b, dtype=torch.bool, device=self.device)
         masks = block_masks(self.drafter, ctx_visible, q_pos, torch.cat([key_pos, q_pos], dim=1), same_block)
         hidden = self.drafter(x, q_pos, ctx_kv, masks)  # [S, B, H]
-        logits = hidden[:, 1: 1 + width] @ self.lm_head.t()  # [S, width, V or Vc]
-        top = logits.argmax(dim=-1)
+        rows = hidden[:, 1: 1 + width].reshape(s * width, -1)  # 2-D: a 3-D matmul would copy the head per row
+        top = torch.nn.functional.linear(rows, self.lm_head).argmax(dim=-1).view(s, width)  # of [S * width, V]
         return top if self.vocab_ids is None else self.vocab_ids[top]
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
