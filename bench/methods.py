@@ -4,7 +4,7 @@ the within-repeat ratio to plain decoding. Prints JSON (stdout or --out) and a m
 
 `python -m bench.methods --max-tokens 96 --repeats 2 --out methods.json`
 `python -m bench.methods --medusa --concurrency 1,4,16` (Medusa heads too; c prompts per generate() call)
-`python -m bench.methods --medusa --dflash --concurrency 1,4,8,16` (and the DFlash drafter)
+`python -m bench.methods --medusa --dflash --workloads chat --concurrency 1,4,8,16` (and the DFlash drafter)
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1",
                     help="comma-separated levels: at level c the prompts (cycled to a multiple of c) go c per "
                          "generate() call and decode together")
+    ap.add_argument("--workloads", default="chat,grounded", help="comma-separated: chat, grounded")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-prompts", type=int, default=4, help="prompts per workload")
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.medusa = args.medusa or args.medusa_heads is not None
     args.dflash = args.dflash or args.dflash_model is not None
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    args.workloads = [w.strip() for w in str(args.workloads).split(",") if w.strip()]
+    if not args.workloads or set(args.workloads) - {"chat", "grounded"}:
+        ap.error("--workloads: chat and/or grounded, comma-separated")
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error("--concurrency: positive integers, comma-separated")
     return args
@@ -195,10 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = grounded_tasks(args.num_prompts)
     workloads = {"chat": ([chat(q) for q in questions], [None] * len(questions)),
                  "grounded": ([chat(t) for t, _ in tasks], [p for _, p in tasks])}
+    workloads = {w: workloads[w] for w in args.workloads}
     loaded = [m for m in ("draft", "ngram", "medusa", "dflash") if m in llm.engine.proposers]
     info = machine_info(llm.engine.device)
     info["loadavg_start"] = list(os.getloadavg())
-    llm.generate(workloads["chat"][0][0], SamplingParams(max_tokens=8))  # warm-up
+    llm.generate(next(iter(workloads.values()))[0][0], SamplingParams(max_tokens=8))  # warm-up
     runs: dict[tuple[str, int], list[dict]] = {(w, c): [] for w in workloads for c in args.concurrency}
     for rep in range(args.repeats):
         for c in args.concurrency:
