@@ -37,3 +37,19 @@ def run(core: EngineCore, prompts, params: SamplingParams | list[SamplingParams]
         steps += 1
         assert steps < 10_000
     return [final[r.request_id] for r in reqs]
+
+
+def bundled_method_outputs(method: str, k: int, max_tokens: int = 32) -> list[RequestOutput]:
+    """What `specserve serve --speculative-method METHOD` runs on the demo target (fp32 here), its bundled proposer
+    found without a flag: four held-out chat questions in one batch must equal plain decoding. -> the outputs."""
+    from engine import LLM
+    from engine.train.chat_prompts import heldout_prompts
+
+    llm = LLM(speculative_method=method, dtype="float32", kv_cache_memory=64 << 20, seed=0)
+    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=False) for p in heldout_prompts()[:4]]
+    plain = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=0))
+    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=k))
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    assert all(o.speculation.method == method for o in outs)
+    return outs

@@ -8,7 +8,7 @@ import torch
 
 from engine.medusa_heads import MedusaHeads, load_heads, save_vocab
 from engine.sampling_params import SamplingParams
-from tests.engine.helpers import make_core, run
+from tests.engine.helpers import bundled_method_outputs, make_core, run
 from tests.engine.test_distribution import CASES, V, _p_value
 from tests.engine.test_greedy_exactness import PROMPTS
 from tests.tiny_models import build_word_tokenizer, save_llama
@@ -206,14 +206,5 @@ def _demo_available() -> bool:
 def test_bundled_heads_on_the_demo_target_keep_greedy_output(one_thread):
     """What `specserve serve --speculative-method medusa` runs: the demo target (fp32 here) with its bundled heads
     found without a flag; a concurrent batch equals plain decoding and the heads are really accepted."""
-    from engine import LLM
-    from engine.train.chat_prompts import heldout_prompts
-
-    llm = LLM(speculative_method="medusa", dtype="float32", kv_cache_memory=64 << 20, seed=0)
-    chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=False) for p in heldout_prompts()[:4]]
-    plain = llm.generate(chats, SamplingParams(temperature=0, max_tokens=32, num_speculative_tokens=0))
-    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=32, num_speculative_tokens=8))
-    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
-    assert all(o.speculation.method == "medusa" for o in outs)
+    outs = bundled_method_outputs("medusa", 8)
     assert sum(o.speculation.num_accepted_tokens for o in outs) > 0.2 * sum(o.speculation.num_steps for o in outs)
