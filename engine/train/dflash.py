@@ -323,12 +323,23 @@ class Frozen:
 
 
 def draft_hidden(drafter: DFlashDrafter, frozen: Frozen, batch: BlockBatch) -> torch.Tensor:
-    """One drafter forward over every block of the batch -> [S, Q, H]."""
+    """One drafter forward over every block of the batch -> [S, Q, H]. Each block runs as its own row against its
+    sequence's context (keys [T + B], not [T + Q]): the same attention as batch.same_block's block-diagonal mask,
+    without the A-fold waste of scoring every other block's keys only to mask them out."""
+    s, q = batch.tokens.shape
+    t = batch.ctx_pos.shape[1]
+    a = batch.real.shape[1]
+    b = q // a
     ctx_kv = drafter.context_kv(batch.features.float(), batch.ctx_pos)  # per layer [S, T, kvh, D]
-    x = frozen.embed(batch.tokens).float()  # [S, Q, H]
-    k_pos = torch.cat([batch.ctx_pos, batch.q_pos], dim=1)  # [S, T + Q]
-    masks = block_masks(drafter, batch.ctx_visible, batch.q_pos, k_pos, batch.same_block)
-    return drafter(x, batch.q_pos, ctx_kv, masks)
+    ctx_kv = [tuple(x[:, None].expand(s, a, *x.shape[1:]).reshape(s * a, *x.shape[1:]) for x in kv)
+              for kv in ctx_kv]  # per layer [S * A, T, kvh, D]
+    x = frozen.embed(batch.tokens).float().view(s * a, b, -1)  # [S * A, B, H]
+    q_pos = batch.q_pos.view(s * a, b)
+    ctx_pos = batch.ctx_pos[:, None].expand(s, a, t).reshape(s * a, t)
+    ctx_visible = batch.ctx_visible.view(s * a, b, t)
+    same_block = torch.ones(s * a, b, b, dtype=torch.bool)
+    masks = block_masks(drafter, ctx_visible, q_pos, torch.cat([ctx_pos, q_pos], dim=1), same_block)
+    return drafter(x, q_pos, ctx_kv, masks).view(s, q, -1)
 
 
 def block_loss(drafter: DFlashDrafter, frozen: Frozen):
