@@ -115,14 +115,14 @@ class DFlashProposer:
                 self._valid[req.request_id] = _BROKEN
                 continue
             self._valid[req.request_id] = chunk.start + n
-            pos = list(range(chunk.start, chunk.start + n))
+            pos = torch.arange(chunk.start, chunk.start + n)  # [n]: a tensor op per request, not a loop per token
             feats.append(torch.cat([chunk.states[i] for i in self.layers], dim=-1))  # [n, nH]
-            positions.extend(pos)
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
+            positions.append(pos)
+            slots.append(torch.tensor(req.block_ids)[pos // bs] * bs + pos % bs)
         if not feats:
             return
-        kv = self.drafter.context_kv(torch.cat(feats).to(self.dtype), torch.tensor(positions, device=self.device))
-        index = torch.tensor(slots, device=self.device)
+        kv = self.drafter.context_kv(torch.cat(feats).to(self.dtype), torch.cat(positions).to(self.device))
+        index = torch.cat(slots).to(self.device)
         for layer, (k, v) in enumerate(kv):
             for store, rows in ((self.kv.key_store[layer], k), (self.kv.value_store[layer], v)):
                 store.view(-1, *store.shape[2:]).index_copy_(0, index, rows.to(store.dtype))
