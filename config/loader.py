@@ -64,6 +64,8 @@ HELP: dict[str, tuple[str, str | None]] = {
     "max_model_len": ("longest prompt + output in tokens", "the model's max_position_embeddings"),
     "max_queue_len": ("most requests waiting for a slot; beyond it requests get HTTP 429", None),
     "block_size": ("tokens per KV cache block", None),
+    "enable_prefix_caching": ("reuse the KV of full blocks a previous request computed for the same prefix "
+                              "(automatic prefix caching; --no-enable-prefix-caching turns it off)", None),
     "seed": ("seed of the engine's generator (for requests without their own seed)", "a random seed"),
     "host": ("address to bind", None),
     "port": ("TCP port to listen on", None),
@@ -82,6 +84,9 @@ HELP: dict[str, tuple[str, str | None]] = {
     "max_request_bytes": ("largest request body; larger ones get HTTP 413; accepts sizes like 4MiB", None),
     "request_timeout": ("seconds a request may run before it ends with an error (HTTP 504)", "no limit"),
     "log_prompts": ("include prompt and completion text in the per-request log line", None),
+    "prefix_caching_per_key": ("salt the prefix cache by the API key that authenticated the request, so that one "
+                               "tenant's time to first token cannot reveal another's prompts "
+                               "(--no-prefix-caching-per-key shares the cache between keys)", None),
 }
 SIZE_FIELDS = frozenset({"kv_cache_memory", "max_request_bytes"})
 

@@ -126,6 +126,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_queue_len: int = 256
     block_size: int = 16
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of a repeated prefix (vLLM's flag and default)
     seed: int | None = None  # seeds the engine's generator (requests without their own seed)
     trust_remote_code: bool = False  # let transformers run code shipped with a model (off unless the operator asks)
     chat_template: str | None = None  # a Jinja file or inline template replacing the model's (vLLM's flag)
@@ -200,6 +201,7 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     request_timeout: float | None = None  # seconds a request may take; then it ends with an error (504)
     log_prompts: bool = False  # put prompt and completion text in the request log lines (off: never)
+    prefix_caching_per_key: bool = True  # with several API keys, requests of different keys never share cached KV
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError, RequestTooLongError
+from engine.prefix_hash import root_hash
 from engine.proposers.prediction import DEFAULT_K as PREDICTION_K
 from engine.proposers.prediction import MAX_K as PREDICTION_MAX_K
 from engine.proposers.registry import NONE, canonical
@@ -32,6 +33,7 @@ class RequestBuilder:
     block_size: int
     eos_token_ids: frozenset
     device: torch.device
+    cache_namespace: str = ""  # what a cached KV block's content depends on besides its tokens (model, dtype)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -75,7 +77,8 @@ class RequestBuilder:
         label = "prediction" if prediction and k else method if k else NONE
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        set(self.eos_token_ids), max_tokens, label, self.device, num_speculative_tokens=k,
-                       prediction_token_ids=prediction, fallback_method=method, adaptive=adaptive)
+                       prediction_token_ids=prediction, fallback_method=method, adaptive=adaptive,
+                       cache_root=root_hash(self.cache_namespace, params.cache_salt))
 
     def _prediction_ids(self, prediction: str | list[int] | None) -> list[int] | None:
         if prediction is None or isinstance(prediction, list):

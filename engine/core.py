@@ -24,7 +24,8 @@ from engine.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMe
 from engine.admission import RequestBuilder
 from engine.attention import PATTERN_ATTR, SeqChunk
 from engine.errors import InvalidRequestError
-from engine.kv_cache import BlockAllocator, KVPool, kv_bytes_per_token
+from engine.block_allocator import BlockAllocator
+from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
                            resolve_chat_template, resolve_device, resolve_dtype)
 from engine.model_runner import ModelRunner
@@ -72,7 +73,7 @@ class EngineCore:
         num_blocks = budget // (per_token * config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no block of {config.block_size} tokens")
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         hidden_layers = tuple(sorted({i for p in self.proposers.values() for i in p.needs.hidden_layers}))
         self.target = ModelRunner(target, KVPool.allocate(target.config, num_blocks, config.block_size, self.dtype,
                                                           self.device), self.device, self.vocab_size,
@@ -80,15 +81,18 @@ class EngineCore:
         for p in self.proposers.values():
             p.bind_kv(num_blocks, config.block_size)
         self.num_speculative_tokens = max([p.num_speculative_tokens for p in self.proposers.values()], default=0)
+        # proposers keeping KV per position, which prefix caching shares and validates with the target's
+        self.kv_proposers = {n: p for n, p in self.proposers.items() if p.needs.prefix_kv != "none"}
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, {n: p.needs.prefix_kv for n, p in self.kv_proposers.items()})
         seed = config.seed if config.seed is not None else random.randrange(1 << 62)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = self._eos_ids(target)
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
                                       {n: p.num_speculative_tokens for n, p in self.proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
-                                      frozenset(self.eos_token_ids), self.device)
+                                      frozenset(self.eos_token_ids), self.device,
+                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{config.trust_remote_code}")
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
@@ -178,7 +182,9 @@ class EngineCore:
         for req in sched.preempted:
             for p in self.router.all():
                 p.on_preempt(req)
-        stats = StepStats(num_preempted=len(sched.preempted))
+        self._apply_cache_hits(sched)
+        stats = StepStats(num_preempted=len(sched.preempted), prefix_cache_queries=sched.prefix_queries,
+                          prefix_cache_hits=sched.prefix_hits)
         seqs = sched.seqs
         if seqs:
             t_draft = time.perf_counter()
@@ -204,6 +210,8 @@ class EngineCore:
             for name, (reqs, rows) in verified_rows(seqs, proposals, paths).items():
                 self.router.by_name(name).on_verified(reqs, rows)
             for s in seqs:
+                p = self.kv_proposers.get(s.request.fallback_method)
+                self.scheduler.publish(s.request, None if p is None else p.kv_valid_tokens(s.request))
                 if s.request.finished:
                     self._free(s.request)
             stats.verify_seconds = time.perf_counter() - t_verify
@@ -217,6 +225,17 @@ class EngineCore:
         self.totals.add(stats)
         self.last_step = stats
         return outputs
+
+    def _apply_cache_hits(self, sched) -> None:
+        """Before anything computes: private copies of shared blocks (in every pool), and each hit request's
+        proposer told how much of its own KV the shared blocks hold (it catches up from there)."""
+        if sched.copies:
+            src, dst = [c[0] for c in sched.copies], [c[1] for c in sched.copies]
+            self.target.kv.copy_blocks(src, dst)
+            for p in self.kv_proposers.values():
+                p.copy_blocks(src, dst)
+        for hit in sched.cache_hits:
+            self.kv_proposers[hit.request.fallback_method].on_cache_hit(hit.request, hit.proposer_tokens)
 
     def _plan_adaptive(self) -> None:
         """This step's k of every decoding adaptive request: the choice that maximises the batch's expected emitted

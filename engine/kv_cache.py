@@ -1,4 +1,4 @@
-"""Engine-owned paged KV cache: a block allocator shared by target and draft, and one preallocated pool per model.
+"""Engine-owned paged KV cache: one preallocated pool per model, indexed by the block ids of engine/block_allocator.py.
 
 A sequence's blocks are listed in its block table; rolling back rejected tokens only lowers its computed length
 (the stale entries are overwritten later), so rollback is O(1) and never copies tensors. Stale entries are never
@@ -26,41 +26,6 @@ def kv_geometry(config) -> tuple[int, int, int]:
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     layers, kv_heads, head_dim = kv_geometry(config)
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-class BlockAllocator:
-    """Hands out fixed-size KV blocks; both models' pools are indexed by the same block ids.
-
-    The free list is a stack (LIFO): the most recently freed blocks are reused first, so light traffic keeps
-    touching the same few blocks and the rest of a demand-zero pool never becomes resident memory (a FIFO queue
-    would cycle through every block)."""
-
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache exhausted: asked {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / max(self.num_blocks, 1)
 
 
 @dataclass
@@ -104,6 +69,13 @@ class KVPool:
         for store in (*self.key_store, *self.value_store):
             rows = store.view(-1, *store.shape[2:])  # [slots, H_kv, D]
             rows.index_copy_(0, d, rows.index_select(0, s))
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Whole blocks src[i] -> dst[i] in every layer (a private copy of a shared prefix block)."""
+        device = self.key_store[0].device
+        s, d = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for store in (*self.key_store, *self.value_store):
+            store.index_copy_(0, d, store.index_select(0, s))
 
     @staticmethod
     def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVPool":

@@ -58,6 +58,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # cumulative; None unless requested
     delta_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
     arrival_time: float = 0.0  # time.monotonic() of the engine's clock
     first_scheduled_time: float | None = None  # left the waiting queue (queue time = this - arrival)
     first_token_time: float | None = None
@@ -68,7 +69,7 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device,
                  num_speculative_tokens: int = 0, prediction_token_ids: list[int] | None = None,
-                 fallback_method: str | None = None, adaptive: bool = False):
+                 fallback_method: str | None = None, adaptive: bool = False, cache_root: bytes = b""):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +89,15 @@ class Request:
         self.planned_k: int | None = None  # this step's choice for an adaptive request
         self.prediction_token_ids = prediction_token_ids  # Predicted Outputs: the expected completion, tokenised
         self.block_ids: list[int] = []
+        # prefix caching (engine/block_allocator.py): the hash chain's root (model + salt), the hashes of the full
+        # blocks of token_ids so far, blocks published (target KV verified) and blocks marked valid for the
+        # request's proposer; prompt tokens reused at its first admission (OpenAI's cached_tokens)
+        self.cache_root = cache_root
+        self.block_hashes: list[bytes] = []
+        self.num_published_blocks = 0
+        self.num_marked_blocks = 0
+        self.num_cached_tokens = 0
+        self.admitted = False
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.speculation = SpeculationStats(method=method)
@@ -143,5 +153,6 @@ class Request:
             speculation=replace(self.speculation, steps_by_k=dict(self.speculation.steps_by_k)),  # a snapshot
             delta_text=self.detokenizer.take_delta(self.finished), delta_token_ids=delta_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None, delta_logprobs=delta_lp,
-            error=self.error, arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
+            error=self.error, num_cached_tokens=self.num_cached_tokens, arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
             first_token_time=self.first_token_time, finished_time=self.finished_time)

@@ -39,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative_method: str | None = None  # one of the methods the engine loaded, or "none"; None: its default
     prediction: str | list[int] | None = None  # Predicted Outputs: the expected completion (text or token ids)
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached KV blocks
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

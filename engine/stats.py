@@ -21,6 +21,8 @@ class StepStats:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step, bonus included
     draft_methods: list[str] = field(default_factory=list)  # the method of each drafting sequence (same order)
     draft_depths: list[int] = field(default_factory=list)  # positions each one's proposal reaches (a tree: its depth)
+    prefix_cache_queries: int = 0  # prompt tokens of requests admitted for the first time
+    prefix_cache_hits: int = 0  # of those, tokens whose KV came from the prefix cache
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     step_seconds: float = 0.0
@@ -36,6 +38,8 @@ class EngineTotals:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def add(self, s: StepStats) -> None:
         self.num_steps += 1
@@ -45,6 +49,8 @@ class EngineTotals:
         self.num_draft_tokens += s.num_draft_tokens
         self.num_accepted_tokens += s.num_accepted_tokens
         self.num_preemptions += s.num_preempted
+        self.prefix_cache_queries += s.prefix_cache_queries
+        self.prefix_cache_hits += s.prefix_cache_hits
         per_pos = self.num_accepted_tokens_per_pos
         per_pos.extend([0] * (len(s.num_accepted_tokens_per_pos) - len(per_pos)))
         for j, n in enumerate(s.num_accepted_tokens_per_pos):

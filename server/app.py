@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.loader import DEMO_MODEL_NAME, is_gguf
 from engine.proposers.prediction import MAX_K as PREDICTION_K
 from engine.proposers.registry import canonical
-from server.auth import resolve_api_key
+from server.auth import resolve_api_keys
 from server.errors import BodyLimitMiddleware, install_error_handlers
 from server.metrics import Metrics
 from server.request_log import RequestIdMiddleware
@@ -70,7 +70,7 @@ def create_app(config: AppConfig) -> FastAPI:
     app = FastAPI(title="specserve", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible inference with lossless speculative decoding")
     app.state.config = config
-    app.state.api_key = resolve_api_key(config.server.api_key, config.server.api_key_file)
+    app.state.api_keys = resolve_api_keys(config.server.api_key, config.server.api_key_file)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.ctx = ServingContext(engine=engine, model_name=name, request_timeout=config.server.request_timeout)

@@ -73,11 +73,16 @@ class Metrics:
         self.waiting = Gauge("specserve_num_requests_waiting", "Requests waiting for admission", mod, registry=r)
         self.kv_usage = Gauge("specserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", mod,
                               registry=r)
+        self.prefix_queries = Counter("specserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (each request once)", mod,
+                                      registry=r)
+        self.prefix_hits = Counter("specserve_prefix_cache_hits",
+                                   "Prompt tokens whose KV came from the prefix cache", mod, registry=r)
         for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.acceptance_rate,
                        self.accepted_length, self.chosen_k, self.draft_seconds, self.verify_seconds):
             metric.labels(model, method)  # present (at 0) before the first step
         for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
-                       self.running, self.waiting, self.kv_usage):
+                       self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits):
             metric.labels(model)
         self._window: deque[tuple[float, int, int]] = deque()  # (time, drafted, accepted) per speculative step
         self._last_token_time: dict[str, float] = {}  # engine thread only
@@ -106,6 +111,8 @@ class Metrics:
         self.running.labels(m).set(s.num_running)
         self.waiting.labels(m).set(s.num_waiting)
         self.kv_usage.labels(m).set(s.kv_cache_usage)
+        self.prefix_queries.labels(m).inc(s.prefix_cache_queries)
+        self.prefix_hits.labels(m).inc(s.prefix_cache_hits)
         for out in outputs:
             self._observe_output(out, now)
 

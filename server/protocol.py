@@ -3,6 +3,7 @@ and the one conversion of a request body into engine SamplingParams."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -93,6 +94,9 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0)
     speculative_method: str | None = None  # one of the methods the server loaded, or "none"
+    cache_salt: str | None = Field(None, max_length=256)  # only requests with the same salt share cached KV
+    # OpenAI's routing hint for its prompt cache; here it salts the cache like cache_salt
+    prompt_cache_key: str | None = Field(None, max_length=256)
     # accepted only with the one value that means "nothing to do"; anything else is a 400 naming the field
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -123,7 +127,7 @@ class _SamplingFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int,
-                        prediction: list[int] | None = None) -> SamplingParams:
+                        prediction: list[int] | None = None, tenant: str | None = None) -> SamplingParams:
         """The single conversion to engine params. Choice i of n uses seed + i (documented)."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -133,12 +137,18 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             num_speculative_tokens=self.num_speculative_tokens, speculative_method=self.speculative_method,
-            prediction=prediction)
+            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant))
+
+    def prefix_cache_salt(self, tenant: str | None) -> str | None:
+        """What separates this request's cached KV blocks from others': the tenant (API key), OpenAI's
+        prompt_cache_key and vLLM's cache_salt; None when none is set (everyone shares)."""
+        parts = (tenant, self.prompt_cache_key, self.cache_salt)
+        return None if all(p is None for p in parts) else json.dumps(parts)
 
 
 _CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
                      "reasoning_effort", "web_search_options", "metadata", "service_tier",
-                     "prompt_cache_key", "safety_identifier", "verbosity")
+                     "safety_identifier", "verbosity")
 
 
 class PredictionContent(_Strict):
@@ -171,7 +181,6 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Any = None
     metadata: Any = None
     service_tier: Any = None
-    prompt_cache_key: Any = None
     safety_identifier: Any = None
     verbosity: Any = None
 
@@ -239,10 +248,15 @@ class Speculation(BaseModel):
     steps_by_k: dict[str, int] = {}  # token-emitting steps by the draft tokens they verified ("0" = none)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorDetail(BaseModel):

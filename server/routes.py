@@ -60,6 +60,11 @@ def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int, p
                                              prompt)
 
 
+def _tenant(request: Request) -> str | None:
+    """The API key's tenant, which salts the prefix cache (unless the operator shares it between keys)."""
+    return getattr(request.state, "tenant", None) if request.app.state.config.server.prefix_caching_per_key else None
+
+
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ready(request)
@@ -69,7 +74,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     predicted = None
     if body.prediction is not None:  # tokenised here like the prompt (the engine thread keeps its own tokenizer)
         predicted = encode_rendered(ctx.tokenizer, body.prediction.text())
-    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i, predicted))
+    tenant = _tenant(request)
+    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i, predicted, tenant))
             for i in range(body.n)]
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
@@ -90,7 +96,9 @@ async def completions(body: CompletionRequest, request: Request):
     check_model(ctx, body.model)
     prompts = body.prompts()
     ids = [encode_prompt(ctx.tokenizer, p) if isinstance(p, str) else p for p in prompts]
-    jobs = [(p, body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i))
+    tenant = _tenant(request)
+    jobs = [(p, body.sampling_params(body.max_tokens if body.max_tokens is not None else 16, body.logprobs, i,
+                                     tenant=tenant))
             for p in ids for i in range(body.n)]
     rid = new_id("cmpl")
     streams = submit_all(ctx, jobs, rid, param="prompt")  # range-checks token ids: a bad id is a 400

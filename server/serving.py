@@ -108,9 +108,15 @@ def speculation_sum(outs: list[RequestOutput]) -> dict:
                            for k in sorted({k for o in outs for k in o.speculation.steps_by_k})}}
 
 
-def usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
-    completion = sum(len(o.output_token_ids) for o in outs)
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+def usage(prompt_tokens: int, outs: list[RequestOutput] | dict[int, RequestOutput], n: int = 1) -> dict:
+    """OpenAI's usage of a response: `outs` by choice index (a list, or the finished ones of a stream); choices
+    i*n .. i*n + n - 1 share prompt i, which counts once (its first choice's cached tokens: prompt_tokens_details)."""
+    by_index = outs if isinstance(outs, dict) else dict(enumerate(outs))
+    completion = sum(len(o.output_token_ids) for o in by_index.values())
+    cached = sum(o.num_cached_tokens for i, o in by_index.items() if i % n == 0)
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    outs = list(by_index.values())
     predicted = [o.speculation for o in outs if o.speculation.accepted_prediction_tokens is not None]
     if predicted:  # Predicted Outputs: OpenAI's counts (rejected = prediction tokens absent from the completion)
         out["completion_tokens_details"] = {
@@ -167,7 +173,7 @@ def chat_response(ctx: ServingContext, rid: str, num_prompt_tokens: int, outs: l
             "choices": [{"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
                          "logprobs": chat_logprobs(ctx.tokenizer, o.logprobs), "finish_reason": finish_reason(o)}
                         for i, o in enumerate(outs)],
-            "usage": usage(num_prompt_tokens, outs), "speculation": speculation_sum(outs)}
+            "usage": usage(num_prompt_tokens, outs, len(outs)), "speculation": speculation_sum(outs)}
 
 
 def completion_response(ctx: ServingContext, rid: str, req: CompletionRequest, prompts: list[str],
@@ -178,5 +184,5 @@ def completion_response(ctx: ServingContext, rid: str, req: CompletionRequest, p
         choices.append({"index": i, "text": prefix + o.text, "finish_reason": finish_reason(o),
                         "logprobs": completion_logprobs(ctx.tokenizer, o.logprobs, len(prefix))})
     return {"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name,
-            "choices": choices, "usage": usage(num_prompt_tokens, outs),
+            "choices": choices, "usage": usage(num_prompt_tokens, outs, req.n),
             "speculation": speculation_sum(outs)}

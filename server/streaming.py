@@ -53,9 +53,9 @@ async def _deltas(streams, finals: dict[int, RequestOutput], timeout: float | No
             yield i, out
 
 
-def _usage_chunk(chunk, finals: dict[int, RequestOutput], num_prompt_tokens: int) -> dict:
+def _usage_chunk(chunk, finals: dict[int, RequestOutput], num_prompt_tokens: int, n: int) -> dict:
     outs = [finals[i] for i in sorted(finals)]
-    return chunk([], usage=usage(num_prompt_tokens, outs), speculation=speculation_sum(outs))
+    return chunk([], usage=usage(num_prompt_tokens, finals, n), speculation=speculation_sum(outs))
 
 
 async def _reported(chunks: AsyncIterator[dict], finals: dict[int, RequestOutput], on_end: OnEnd):
@@ -86,7 +86,7 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
             yield chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(ctx.tokenizer, out.delta_logprobs),
                           "finish_reason": finish_reason(out) if out.finished else None}])
         if include_usage:
-            yield _usage_chunk(chunk, finals, num_prompt_tokens)
+            yield _usage_chunk(chunk, finals, num_prompt_tokens, len(streams))
 
     return sse_response(_guarded(_reported(chunks(), finals, on_end)))
 
@@ -107,6 +107,6 @@ def completion_stream(ctx: ServingContext, rid: str, streams, prompts: list[str]
             yield chunk([{"index": i, "text": out.delta_text, "logprobs": lp,
                           "finish_reason": finish_reason(out) if out.finished else None}])
         if include_usage:
-            yield _usage_chunk(chunk, finals, num_prompt_tokens)
+            yield _usage_chunk(chunk, finals, num_prompt_tokens, n)
 
     return sse_response(_guarded(_reported(chunks(), finals, on_end)))

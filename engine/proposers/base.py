@@ -31,6 +31,11 @@ class ProposerNeeds:
     tree: bool = False  # proposals may branch (one-hot candidates only)
     typical_acceptance: tuple[float, float] | None = None  # (posterior_threshold, alpha): Medusa's LOSSY rule
     cost_per_step: bool = False  # propose() costs about the same at any k (not one pass per drafted position)
+    # KV it keeps per position of a sequence, in its own pool under the target's block ids (prefix caching shares
+    # it with the target's blocks): "none"; "own" (it catches up by itself from any point, as a draft model);
+    # "target" (made from the target's forward, as DFlash's context: only the target's recompute can refill it).
+    # A method other than "none" implements kv_valid_tokens, on_cache_hit and copy_blocks.
+    prefix_kv: str = "none"
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,19 @@ class Proposer(Protocol):
 
     def on_preempt(self, request: Request) -> None:
         """The request's KV blocks were dropped; it will be recomputed from its tokens."""
+        ...
+
+    # only with needs.prefix_kv != "none":
+    def kv_valid_tokens(self, request: Request) -> int:
+        """How many leading positions of the request hold its valid KV in this method's pool."""
+        ...
+
+    def on_cache_hit(self, request: Request, num_tokens: int) -> None:
+        """The request starts on cached blocks holding this method's valid KV for its first num_tokens positions."""
+        ...
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole blocks of its pool (a request's private copy of a shared block)."""
         ...
 
     def on_free(self, request: Request) -> None:

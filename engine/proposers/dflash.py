@@ -49,7 +49,7 @@ def drafter_directory(cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> Pat
 class DFlashProposer:
     name = "dflash"
     max_model_len = None
-    needs = ProposerNeeds(hidden_rows="all", cost_per_step=True)  # + the drafter's target layers, per instance
+    needs = ProposerNeeds(hidden_rows="all", cost_per_step=True, prefix_kv="target")  # + the target layers
 
     def __init__(self, drafter, embed: torch.nn.Module, lm_head: torch.Tensor, device: torch.device,
                  dtype: torch.dtype, num_speculative_tokens: int, vocab_ids: torch.Tensor | None = None,
@@ -67,7 +67,7 @@ class DFlashProposer:
         last = num_target_layers - 1 if num_target_layers else None
         self.layers = tuple(FINAL if i == last else i for i in drafter.target_layer_ids)
         self.needs = ProposerNeeds(hidden_layers=tuple(sorted(set(self.layers))), hidden_rows="all",
-                                   cost_per_step=True)
+                                   cost_per_step=True, prefix_kv="target")
         self.kv: KVPool | None = None  # once bind_kv sized it
         self._valid: dict[str, int] = {}  # request id -> positions 0 .. n - 1 whose context K/V are in the pool
 
@@ -191,3 +191,12 @@ class DFlashProposer:
 
     def on_free(self, request: Request) -> None:
         self._valid.pop(request.request_id, None)
+
+    def kv_valid_tokens(self, request: Request) -> int:
+        return max(0, self._valid.get(request.request_id, 0))  # a broken context (-1) holds nothing
+
+    def on_cache_hit(self, request: Request, num_tokens: int) -> None:
+        self._valid[request.request_id] = num_tokens  # the target's recompute of the rest fills in from here
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.kv.copy_blocks(src, dst)

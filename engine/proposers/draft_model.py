@@ -23,7 +23,7 @@ from engine.vocab_map import load_vocab_map
 
 class DraftModelProposer:
     name = "draft"
-    needs = ProposerNeeds(draft_model=True, returns_probs=True)
+    needs = ProposerNeeds(draft_model=True, returns_probs=True, prefix_kv="own")
 
     def __init__(self, model, vocab_size: int, device: torch.device, dtype: torch.dtype, num_speculative_tokens: int,
                  vocab_map=None):
@@ -96,6 +96,15 @@ class DraftModelProposer:
 
     def on_preempt(self, request: Request) -> None:
         self._computed.pop(request.request_id, None)  # its blocks are gone: catch up from position 0
+
+    def kv_valid_tokens(self, request: Request) -> int:
+        return self._computed.get(request.request_id, 0)
+
+    def on_cache_hit(self, request: Request, num_tokens: int) -> None:
+        self._computed[request.request_id] = num_tokens  # the catch-up starts past the shared blocks' draft KV
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self.runner.kv.copy_blocks(src, dst)
 
     def on_free(self, request: Request) -> None:
         self._computed.pop(request.request_id, None)

@@ -24,6 +24,7 @@ METRICS = [
     "specserve_request_queue_time_seconds_bucket", "specserve_prompt_tokens_total",
     "specserve_generation_tokens_total", "specserve_request_success_total", "specserve_request_failure_total",
     "specserve_kv_cache_usage_ratio", "specserve_num_requests_running", "specserve_num_requests_waiting",
+    "specserve_prefix_cache_queries_total", "specserve_prefix_cache_hits_total",
 ]
 
 

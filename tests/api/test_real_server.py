@@ -133,7 +133,8 @@ def test_json_request_log_and_request_id(tiny):
     assert len(finished) == 1, lines
     entry = finished[0]
     assert entry["request_id"] == "trace-42" and entry["completion_tokens"] == 4 and entry["status"] == "ok"
-    assert {"prompt_tokens", "draft_tokens", "accepted_tokens", "acceptance_rate", "latency_s"} <= set(entry)
+    assert {"prompt_tokens", "cached_tokens", "draft_tokens", "accepted_tokens", "acceptance_rate",
+            "latency_s"} <= set(entry)
     assert all(secret not in json.dumps(x) for x in lines)
 
 

@@ -20,6 +20,8 @@ COUNTERS = {
     "specserve_generation_tokens": set(),
     "specserve_request_success": {"finish_reason"},
     "specserve_request_failure": {"reason"},
+    "specserve_prefix_cache_queries": set(),
+    "specserve_prefix_cache_hits": set(),
 }
 GAUGES = {
     "specserve_spec_decode_acceptance_rate": {"method"},

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from engine.kv_cache import BlockAllocator, KVPool, kv_bytes_per_token, kv_geometry
+from engine.block_allocator import BlockAllocator
+from engine.kv_cache import KVPool, kv_bytes_per_token, kv_geometry
 
 
 @pytest.mark.parametrize("tokens, blocks", [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (32, 2), (33, 3)])

@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.attention import SeqChunk
-from engine.kv_cache import BlockAllocator, KVPool
+from engine.block_allocator import BlockAllocator
+from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from tests.tiny_models import build_tokenizer, save_gpt2, save_llama

@@ -7,7 +7,8 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from engine.attention import SeqChunk
-from engine.kv_cache import BlockAllocator, KVPool
+from engine.block_allocator import BlockAllocator
+from engine.kv_cache import KVPool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
