@@ -5,8 +5,9 @@ Workloads (chat-templated on the demo target):
   multiturn  c conversations of --turns turns that resend the whole conversation each turn;
   distinct   prompts with no shared prefix (raw text, each opening differently): caching can only cost here.
 Two engines are loaded with the same weights and settings but for `enable_prefix_caching`; every repeat runs every
-workload and level on both, in alternating order, and each repeat uses its own cache salt, so every repeat starts
-cold. The first request of a shared-prefix run is cold by construction; "repeat TTFT" is over the others.
+workload and level on both, in alternating order, and every (workload, level, repeat) uses its own cache salt, so
+each run starts cold. The first request of a shared-prefix run is cold by construction; "repeat TTFT" is over the
+others.
 
     python -m bench.prefix_cache --concurrency 1,8 --repeats 3 --out prefix.json
 """
@@ -44,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="system prompt length of the shared workload")
     ap.add_argument("--num-questions", type=int, default=16, help="questions per shared-prefix run")
     ap.add_argument("--turns", type=int, default=4, help="turns per multi-turn conversation")
+    ap.add_argument("--num-distinct", type=int, default=0,
+                    help="prompts per distinct-prefix run (at least c; 0: two waves, at least 8)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
@@ -103,7 +106,8 @@ def run_workload(llm: LLM, workload: str, level: int, salt: str, doc: str, args)
                 c += [{"role": "assistant", "content": o.text},
                       {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
     elif workload == "distinct":
-        prompts = [f"[{salt}/{i}] " + p for i, p in enumerate((heldout_prompts() * 4)[:max(level, 4) * 2])]
+        count = max(level, args.num_distinct) if args.num_distinct else max(level, 4) * 2
+        prompts = [f"[{salt}/{i}] " + p for i, p in enumerate((heldout_prompts() * (count // 8 + 1))[:count])]
         for wave in waves(prompts, level):
             timed(llm, wave, params, rec)
     else:
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
             for c in levels:
                 order = (False, True) if (r + c) % 2 == 0 else (True, False)
                 for caching in order:
-                    rec = run_workload(engines[caching], w, c, f"repeat-{r}", doc, args)
+                    rec = run_workload(engines[caching], w, c, f"{w}-{c}-repeat-{r}", doc, args)
                     recs.setdefault((w, c, caching), []).append(rec)
                     print(f"[bench] repeat {r + 1}/{args.repeats} {w} c={c} caching={caching}: "
                           f"{rec['seconds']:.1f} s", file=sys.stderr)

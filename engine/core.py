@@ -210,8 +210,9 @@ class EngineCore:
             for name, (reqs, rows) in verified_rows(seqs, proposals, paths).items():
                 self.router.by_name(name).on_verified(reqs, rows)
             for s in seqs:
-                p = self.kv_proposers.get(s.request.fallback_method)
-                self.scheduler.publish(s.request, None if p is None else p.kv_valid_tokens(s.request))
+                if s.request.finish_reason != "error":  # a failed request's last K/V may be what failed: keep it out
+                    p = self.kv_proposers.get(s.request.fallback_method)
+                    self.scheduler.publish(s.request, None if p is None else p.kv_valid_tokens(s.request))
                 if s.request.finished:
                     self._free(s.request)
             stats.verify_seconds = time.perf_counter() - t_verify

@@ -67,7 +67,8 @@ def log_finished(request_id: str, response_id: str, endpoint: str, started: floa
               "choices": len(outs), "prompt_tokens": num_prompt_tokens,
               "completion_tokens": sum(len(o.output_token_ids) for o in outs),
               "finish_reasons": ",".join(str(o.finish_reason) for o in outs),
-              "cached_tokens": sum(o.num_cached_tokens for o in outs), "draft_tokens": drafted, "accepted_tokens": accepted,
+              "cached_tokens": sum(o.num_cached_tokens for o in outs),  # over choices, like the other counts
+              "draft_tokens": drafted, "accepted_tokens": accepted,
               "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
               "ttft_s": round(min(ttfts), 4) if ttfts else None, "latency_s": round(time.monotonic() - started, 4)}
     if prompt is not None:

@@ -62,7 +62,8 @@ def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int, p
 
 def _tenant(request: Request) -> str | None:
     """The API key's tenant, which salts the prefix cache (unless the operator shares it between keys)."""
-    return getattr(request.state, "tenant", None) if request.app.state.config.server.prefix_caching_per_key else None
+    per_key = request.app.state.config.server.prefix_caching_per_key
+    return getattr(request.state, "tenant", None) if per_key else None
 
 
 @v1.post("/chat/completions")
