@@ -34,6 +34,8 @@ class RequestBuilder:
     eos_token_ids: frozenset
     device: torch.device
     cache_namespace: str = ""  # what a cached KV block's content depends on besides its tokens (model, dtype)
+    grammars: object = None  # engine.grammar.GrammarCompiler (its cache is the one mutable part: thread-safe enough
+    # under the GIL, dict operations only); None: structured output unavailable
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -74,11 +76,22 @@ class RequestBuilder:
         if -(-need // self.block_size) > self.num_blocks:
             raise RequestTooLongError(f"the request needs up to {need} tokens of KV cache but kv_cache_memory holds "
                                       f"{self.num_blocks * self.block_size}", param="max_tokens")
+        grammar = self._grammar(params)
         label = "prediction" if prediction and k else method if k else NONE
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        set(self.eos_token_ids), max_tokens, label, self.device, num_speculative_tokens=k,
                        prediction_token_ids=prediction, fallback_method=method, adaptive=adaptive,
-                       cache_root=root_hash(self.cache_namespace, params.cache_salt))
+                       cache_root=root_hash(self.cache_namespace, params.cache_salt), grammar=grammar)
+
+    def _grammar(self, params: SamplingParams):
+        """A fresh matcher for the request's grammar (compiled once per spec); InvalidRequestError naming the field
+        when it cannot be enforced."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError(f"{params.structured.field}: structured output needs the llguidance package",
+                                      params.structured.field)
+        return self.grammars.matcher(params.structured)
 
     def _prediction_ids(self, prediction: str | list[int] | None) -> list[int] | None:
         if prediction is None or isinstance(prediction, list):

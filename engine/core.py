@@ -24,6 +24,7 @@ from engine.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMe
 from engine.admission import RequestBuilder
 from engine.attention import PATTERN_ATTR, SeqChunk
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarCompiler, apply_bitmask, node_bitmasks, words
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
@@ -88,11 +89,13 @@ class EngineCore:
         seed = config.seed if config.seed is not None else random.randrange(1 << 62)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = self._eos_ids(target)
+        self.grammars = _grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
                                       {n: p.num_speculative_tokens for n, p in self.proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
                                       frozenset(self.eos_token_ids), self.device,
-                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{config.trust_remote_code}")
+                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{config.trust_remote_code}",
+                                      self.grammars)
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
@@ -311,6 +314,8 @@ class EngineCore:
             return {}
         ks = [seqs[i].num_draft_tokens for i in sampling]
         drafts = draft_batch([proposals[i] for i in sampling], self.vocab_size, self.device)
+        if any(seqs[i].request.grammar is not None for i in sampling):
+            logits = self._constrained(logits, [seqs[i].request for i in sampling], [proposals[i] for i in sampling])
         res = verify(logits, [seqs[i].request for i in sampling], ks, drafts, self.generator)
         stats.num_accepted_tokens_per_pos = [0] * max(ks)
         moves: tuple[list[int], list[int]] = ([], [])
@@ -331,6 +336,8 @@ class EngineCore:
                 for j, tok in enumerate(res.tokens[b]):
                     self._append(req, tok, None if lp is None else TokenLogprob(tok, lp[0][j], lp[1][j]))
                     stats.num_generation_tokens += 1
+                    if req.grammar is not None:
+                        _advance_grammar(req, tok)
                     if req.finished:
                         break
             except Exception as exc:
@@ -340,6 +347,19 @@ class EngineCore:
         if moves[0]:
             self.target.kv.copy_slots(*moves)
         return {i: res.paths[b] for b, i in enumerate(sampling)}
+
+    def _constrained(self, logits: torch.Tensor, requests: list[Request], proposals: list) -> torch.Tensor:
+        """The verified rows' logits with each grammar request's masks applied (engine/grammar.py): row j of a
+        request is masked by the grammar state after its emitted tokens and the proposed tokens on node j's path."""
+        masks = []
+        for req, prop in zip(requests, proposals):
+            n = 0 if prop is None else len(prop.tokens)
+            if req.grammar is None:
+                masks.append(torch.full((n + 1, words(self.vocab_size)), -1, dtype=torch.int32))
+                continue
+            parents = list(range(n)) if prop is None or prop.parents is None else prop.parents
+            masks.append(node_bitmasks(req.grammar, parents, [] if prop is None else prop.tokens, self.vocab_size))
+        return apply_bitmask(logits, torch.cat(masks))
 
     def _free(self, req: Request) -> None:
         if req.prediction_token_ids:
@@ -362,3 +382,21 @@ class EngineCore:
             req.finish("stop")
         elif req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
             req.finish("length")
+
+
+def _grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: set[int]) -> GrammarCompiler | None:
+    """Structured output needs llguidance and a fast tokenizer; without them requests asking for it get a 400."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+    except (ImportError, ValueError) as exc:
+        log.warning("structured output unavailable: %s", exc)
+        return None
+
+
+def _advance_grammar(req: Request, token: int) -> None:
+    """The matcher consumes an emitted token; a grammar that is complete ends the request ("stop") right there, as
+    plain decoding would (the only token it then allows is the end of sequence)."""
+    if not req.grammar.consume_token(token):
+        raise RuntimeError(f"the grammar refused an emitted token: {req.grammar.get_error()}")
+    if req.grammar.is_stopped() and not req.finished:
+        req.finish("stop")

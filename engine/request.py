@@ -69,7 +69,8 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device,
                  num_speculative_tokens: int = 0, prediction_token_ids: list[int] | None = None,
-                 fallback_method: str | None = None, adaptive: bool = False, cache_root: bytes = b""):
+                 fallback_method: str | None = None, adaptive: bool = False, cache_root: bytes = b"",
+                 grammar=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -89,6 +90,7 @@ class Request:
         self.planned_k: int | None = None  # this step's choice for an adaptive request
         self.prediction_token_ids = prediction_token_ids  # Predicted Outputs: the expected completion, tokenised
         self.block_ids: list[int] = []
+        self.grammar = grammar  # an llguidance matcher over the output so far (engine/grammar.py), or None
         # prefix caching (engine/block_allocator.py): the hash chain's root (model + salt), the hashes of the full
         # blocks of token_ids so far, blocks published (target KV verified) and blocks marked valid for the
         # request's proposer; prompt tokens reused at its first admission (OpenAI's cached_tokens)

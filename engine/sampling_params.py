@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -40,6 +41,7 @@ class SamplingParams:
     speculative_method: str | None = None  # one of the methods the engine loaded, or "none"; None: its default
     prediction: str | list[int] | None = None  # Predicted Outputs: the expected completion (text or token ids)
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached KV blocks
+    structured: GrammarSpec | None = None  # the output must match this grammar (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

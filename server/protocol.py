@@ -4,10 +4,12 @@ and the one conversion of a request body into engine SamplingParams."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.grammar import GrammarSpec
 from engine.sampling_params import SamplingParams
 
 
@@ -97,6 +99,11 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(None, max_length=256)  # only requests with the same salt share cached KV
     # OpenAI's routing hint for its prompt cache; here it salts the cache like cache_salt
     prompt_cache_key: str | None = Field(None, max_length=256)
+    # structured outputs, vLLM's extension names (at most one of them, or response_format on chat)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, min_length=1)
     # accepted only with the one value that means "nothing to do"; anything else is a 400 naming the field
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -121,6 +128,7 @@ class _SamplingFields(_Request):
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
+        self.grammar_spec()  # response_format's shape; at most one structured-output field
         return self
 
     def stop_list(self) -> list[str]:
@@ -137,7 +145,29 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             num_speculative_tokens=self.num_speculative_tokens, speculative_method=self.speculative_method,
-            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant))
+            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant), structured=self.grammar_spec())
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The one grammar the request asks for (guided_* here; chat adds response_format), or None."""
+        specs = [s for s in self._grammar_specs() if s is not None]
+        if len(specs) > 1:
+            names = ", ".join(s.field for s in specs)
+            raise UnsupportedFieldError(specs[1].field, f"give at most one structured-output field (got {names})")
+        return specs[0] if specs else None
+
+    def _grammar_specs(self) -> list[GrammarSpec | None]:
+        guided_json = self.guided_json
+        if isinstance(guided_json, str):
+            try:
+                guided_json = json.loads(guided_json)
+            except ValueError:
+                raise UnsupportedFieldError("guided_json", "guided_json: not a JSON Schema (invalid JSON)") from None
+        return [None if guided_json is None else GrammarSpec("json_schema", json.dumps(guided_json), "guided_json"),
+                None if self.guided_regex is None else GrammarSpec("regex", self.guided_regex, "guided_regex"),
+                None if self.guided_choice is None else GrammarSpec("choice", json.dumps(self.guided_choice),
+                                                                     "guided_choice"),
+                None if self.guided_grammar is None else GrammarSpec("grammar", self.guided_grammar,
+                                                                      "guided_grammar")]
 
     def prefix_cache_salt(self, tenant: str | None) -> str | None:
         """What separates this request's cached KV blocks from others': the tenant (API key), OpenAI's
@@ -149,6 +179,36 @@ class _SamplingFields(_Request):
 _CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
                      "reasoning_effort", "web_search_options", "metadata", "service_tier",
                      "safety_identifier", "verbosity")
+
+
+def _response_format_spec(fmt: dict[str, Any] | None) -> GrammarSpec | None:
+    """OpenAI's response_format: text (nothing to enforce), json_object, or json_schema {name, schema, strict}."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text" and set(fmt) == {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return GrammarSpec("json_object", "", "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if set(fmt) != {"type", "json_schema"} or not isinstance(spec, dict):
+            raise UnsupportedFieldError("response_format.json_schema", "response_format.json_schema: an object "
+                                        "{name, schema, strict, description} is required")
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise UnsupportedFieldError("response_format.json_schema", "response_format.json_schema: unknown "
+                                        f"field(s) {', '.join(sorted(unknown))}")
+        name, schema = spec.get("name"), spec.get("schema", {})
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+            raise UnsupportedFieldError("response_format.json_schema.name", "response_format.json_schema.name: "
+                                        "1-64 letters, digits, _ or - (required)")
+        if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise UnsupportedFieldError("response_format.json_schema.schema", "response_format.json_schema: "
+                                        "schema must be an object and strict a boolean")
+        return GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
+    raise UnsupportedFieldError("response_format", "response_format: type must be text, json_object or "
+                                "json_schema (with only the fields OpenAI defines)")
 
 
 class PredictionContent(_Strict):
@@ -189,8 +249,6 @@ class ChatCompletionRequest(_SamplingFields):
         for name in _CHAT_UNSUPPORTED:
             if getattr(self, name) is not None:
                 raise UnsupportedFieldError(name, f"{name} is not supported by this server")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedFieldError("response_format", "only response_format {\"type\": \"text\"} is supported")
         if self.modalities is not None and self.modalities != ["text"]:
             raise UnsupportedFieldError("modalities", "only the text modality is supported")
         if self.store:
@@ -198,6 +256,9 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
+
+    def _grammar_specs(self) -> list[GrammarSpec | None]:
+        return [_response_format_spec(self.response_format), *super()._grammar_specs()]
 
     @property
     def requested_max_tokens(self) -> int | None:

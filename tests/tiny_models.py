@@ -65,3 +65,15 @@ def _save(model, path: Path, tokenizer_src: Path) -> Path:
     model.save_pretrained(path)
     PreTrainedTokenizerFast.from_pretrained(tokenizer_src).save_pretrained(path)
     return path
+
+
+def build_letter_tokenizer(path: Path, vocab_size: int) -> PreTrainedTokenizerFast:
+    """Like build_word_tokenizer, but the words are the letters a, b, c, ... and the decoder is one llguidance
+    understands (ByteFallback): for tiny-vocabulary tests under a grammar."""
+    vocab = {chr(ord("a") + i): i for i in range(vocab_size - 1)} | {EOS: vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.ByteFallback()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.save_pretrained(path)
+    return fast

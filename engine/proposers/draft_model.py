@@ -12,6 +12,7 @@ import torch
 
 from config.schema import SpeculativeMethodConfig
 from engine.attention import SeqChunk
+from engine.grammar import apply_bitmask, fill_next_token_bitmask, words
 from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import check_draft_compatible, check_model_path, is_gguf, load_model
 from engine.model_runner import ModelRunner
@@ -67,8 +68,12 @@ class DraftModelProposer:
         last_rows = torch.cumsum(torch.tensor([c.num_new for c in chunks]), 0) - 1
         logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), chunks, last_rows)  # [S, V]
         active = list(range(num))
+        grammars = {a: r.grammar for a, r in enumerate(requests) if r.grammar is not None}
+        consumed = dict.fromkeys(grammars, 0)  # drafts each grammar request's matcher took (rolled back below)
         for j in range(k_max):
             idx = torch.tensor(active, device=self.device)
+            if grammars:  # q' = the draft's distribution under the same grammar state the target will see
+                logits = self._constrained(logits, active, grammars)
             q = processed_probs(logits, _select(st_all, idx))  # [A, V]
             if st_all.all_greedy:  # one-hot q: the argmax needs no noise (and greedy rows consume none)
                 drafted = q.argmax(dim=-1)
@@ -78,6 +83,10 @@ class DraftModelProposer:
                 drafted = sample(q, noise)  # [A]
             token_ids[idx, j] = drafted
             probs[idx, j] = q
+            if grammars:
+                for a, tok in zip(active, drafted.tolist()):
+                    if a in grammars:
+                        consumed[a] += grammars[a].try_consume_tokens([tok])
             keep = [n for n, a in enumerate(active) if ks[a] > j + 1]
             if not keep:
                 break
@@ -85,9 +94,18 @@ class DraftModelProposer:
             chunks = [SeqChunk(requests[a].block_ids, len(requests[a].token_ids) + j, 1) for a in active]
             keep_idx = torch.tensor(keep, device=self.device)
             logits = self.runner.forward(drafted[keep_idx], chunks, torch.arange(len(active)))
+        for a, matcher in grammars.items():
+            matcher.rollback(consumed[a])
         for req, k in zip(requests, ks):
             self._computed[req.request_id] = len(req.token_ids) + k - 1
         return Proposal(token_ids, list(ks), probs)
+
+    def _constrained(self, logits: torch.Tensor, active: list[int], grammars: dict) -> torch.Tensor:
+        masks = torch.full((len(active), words(logits.shape[-1])), -1, dtype=torch.int32)
+        for n, a in enumerate(active):
+            if a in grammars:
+                fill_next_token_bitmask(grammars[a], masks, n)
+        return apply_bitmask(logits, masks)
 
     def on_verified(self, requests: list[Request], rows: list[VerifiedRow]) -> None:
         for req in requests:  # valid draft K/V: every kept token but the newest, which the draft has not fed yet

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import signal
 import time
+import typing
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.api.server_process import Server
@@ -40,6 +42,24 @@ def test_openai_sdk_chat_and_completions(server):
     assert comp.choices[0].finish_reason in ("stop", "length")
     streamed = list(client.completions.create(model="tiny", prompt="The quick", max_tokens=5, stream=True))
     assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+
+
+class Reading(pydantic.BaseModel):
+    """What the SDK's parse() sends as response_format json_schema (strict), bounded so that output ends."""
+
+    level: int = pydantic.Field(ge=0, le=9)
+    unit: typing.Literal["kg", "m", "s"]
+    ok: bool
+
+
+def test_openai_sdk_parse_with_a_pydantic_model(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
+    for temperature in (0.0, 1.0):
+        parsed = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "a reading?"}],
+                                               response_format=Reading, max_tokens=48, temperature=temperature)
+        reading = parsed.choices[0].message.parsed
+        assert isinstance(reading, Reading) and parsed.choices[0].finish_reason == "stop"
+        assert parsed.usage.prompt_tokens_details.cached_tokens >= 0
 
 
 def test_openai_sdk_error_mapping(server):

@@ -1,0 +1,78 @@
+"""Structured outputs through the API (tiny random models, speculation on): response_format json_schema and
+json_object, vLLM's guided_* fields on both endpoints, streamed, and their bad-input 400s."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.api.test_endpoints import CHAT, sse_events
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+
+
+def content(r) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_response_format_json_schema(client, temperature):
+    r = client.post("/v1/chat/completions", json=CHAT | {"response_format": JSON_SCHEMA, "max_tokens": 64, "n": 3,
+                                                         "temperature": temperature, "seed": 7})
+    for choice in r.json()["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+        assert choice["finish_reason"] == "stop"
+
+
+def test_response_format_json_object_and_guided_fields(client):
+    obj = json.loads(content(client.post("/v1/chat/completions", json=CHAT | {
+        "response_format": {"type": "json_object"}, "max_tokens": 128, "temperature": 0})) or "null")
+    assert isinstance(obj, dict)
+    choice = content(client.post("/v1/chat/completions", json=CHAT | {"guided_choice": ["yes", "no", "maybe"],
+                                                                      "max_tokens": 8}))
+    assert choice in ("yes", "no", "maybe")
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Order:", "max_tokens": 16,
+                                             "guided_regex": r"#[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch(r"#[0-9]{3}-[a-z]{2}", r.json()["choices"][0]["text"])
+    grammar = 'start: "(" item ("," item)* ")"\nitem: /[a-c]/'
+    text = content(client.post("/v1/chat/completions", json=CHAT | {"guided_grammar": grammar, "max_tokens": 24}))
+    assert re.fullmatch(r"\([a-c](,[a-c])*\)", text), text
+    r = client.post("/v1/chat/completions", json=CHAT | {"guided_json": json.dumps(SCHEMA), "max_tokens": 64})
+    jsonschema.validate(json.loads(content(r)), SCHEMA)
+
+
+def test_streamed_structured_output(client):
+    body = CHAT | {"response_format": JSON_SCHEMA, "max_tokens": 64, "stream": True, "temperature": 1.0}
+    with client.stream("POST", "/v1/chat/completions", json=body) as s:
+        events = sse_events(s)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "contentEncoding": "base64", "if": {"minLength": 2}, "then": {"maxLength": 3}}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "start: ("}, "guided_grammar"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_structured_requests_are_400s_naming_the_field(client, body, param):
+    r = client.post("/v1/chat/completions", json=CHAT | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
