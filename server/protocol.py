@@ -177,8 +177,7 @@ class _SamplingFields(_Request):
 
 
 _CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                     "reasoning_effort", "web_search_options", "metadata", "service_tier",
-                     "safety_identifier", "verbosity")
+                     "reasoning_effort", "web_search_options", "verbosity")
 
 
 def _response_format_spec(fmt: dict[str, Any] | None) -> GrammarSpec | None:
@@ -239,10 +238,18 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: PredictionContent | None = None
     reasoning_effort: Any = None
     web_search_options: Any = None
-    metadata: Any = None
-    service_tier: Any = None
-    safety_identifier: Any = None
+    # accepted and never change generation (OpenAI's limits); the request log keeps safety_identifier and user
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None  # served: "default"
+    safety_identifier: str | None = Field(None, max_length=64)
     verbosity: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, v):
+        if v and any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
+            raise ValueError("metadata keys are at most 64 characters and values at most 512")
+        return v
 
     @model_validator(mode="after")
     def _chat_unsupported(self):

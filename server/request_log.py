@@ -58,8 +58,10 @@ class RequestIdMiddleware:
 
 
 def log_finished(request_id: str, response_id: str, endpoint: str, started: float, num_prompt_tokens: int,
-                 outs: list[RequestOutput], status: str = "ok", prompt: str | list | None = None) -> None:
-    """`prompt` is given only when the operator asked for text in logs (--log-prompts)."""
+                 outs: list[RequestOutput], status: str = "ok", prompt: str | list | None = None,
+                 who: dict | None = None) -> None:
+    """`prompt` is given only when the operator asked for text in logs (--log-prompts); `who`: the client's own
+    end-user ids (OpenAI's `user`, `safety_identifier`), when it sent them."""
     drafted = sum(o.speculation.num_draft_tokens for o in outs)
     accepted = sum(o.speculation.num_accepted_tokens for o in outs)
     ttfts = [o.first_token_time - o.arrival_time for o in outs if o.first_token_time is not None]
@@ -71,6 +73,7 @@ def log_finished(request_id: str, response_id: str, endpoint: str, started: floa
               "draft_tokens": drafted, "accepted_tokens": accepted,
               "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
               "ttft_s": round(min(ttfts), 4) if ttfts else None, "latency_s": round(time.monotonic() - started, 4)}
+    fields |= who or {}
     if prompt is not None:
         fields |= {"prompt": prompt, "completions": [o.text for o in outs]}
     log.info("request finished", extra={"fields": fields})

@@ -53,11 +53,12 @@ async def list_models(request: Request):
                                          "created": now(), "owned_by": "specserve"}]}
 
 
-def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int, prompt):
+def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int, prompt, body=None):
     started, request_id = time.monotonic(), request.state.request_id
     prompt = prompt if request.app.state.config.server.log_prompts else None
+    who = {k: getattr(body, k, None) for k in ("user", "safety_identifier") if getattr(body, k, None) is not None}
     return lambda outs, status: log_finished(request_id, rid, endpoint, started, num_prompt_tokens, outs, status,
-                                             prompt)
+                                             prompt, who)
 
 
 def _tenant(request: Request) -> str | None:
@@ -80,7 +81,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             for i in range(body.n)]
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
-    done = _logger(request, rid, "chat", len(ids), prompt)
+    done = _logger(request, rid, "chat", len(ids), prompt, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return chat_stream(ctx, rid, streams, len(ids), include_usage, done)
@@ -105,7 +106,7 @@ async def completions(body: CompletionRequest, request: Request):
     streams = submit_all(ctx, jobs, rid, param="prompt")  # range-checks token ids: a bad id is a 400
     texts = [p if isinstance(p, str) else ctx.tokenizer.decode(p) if body.echo else "" for p in prompts]
     num_prompt_tokens = sum(len(p) for p in ids)
-    done = _logger(request, rid, "completions", num_prompt_tokens, prompts)
+    done = _logger(request, rid, "completions", num_prompt_tokens, prompts, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return completion_stream(ctx, rid, streams, texts, body.n, body.echo, num_prompt_tokens, include_usage,

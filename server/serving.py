@@ -170,6 +170,7 @@ def now() -> int:
 
 def chat_response(ctx: ServingContext, rid: str, num_prompt_tokens: int, outs: list[RequestOutput]) -> dict:
     return {"id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name,
+            "service_tier": "default",
             "choices": [{"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
                          "logprobs": chat_logprobs(ctx.tokenizer, o.logprobs), "finish_reason": finish_reason(o)}
                         for i, o in enumerate(outs)],

@@ -38,8 +38,11 @@ async def _guarded(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
 def _chunk_maker(ctx: ServingContext, rid: str, obj: str):
     created = now()
 
+    tier = {"service_tier": "default"} if obj == "chat.completion.chunk" else {}  # the tier actually served
+
     def chunk(choices, **extra):
-        return {"id": rid, "object": obj, "created": created, "model": ctx.model_name, "choices": choices, **extra}
+        return {"id": rid, "object": obj, "created": created, "model": ctx.model_name, **tier, "choices": choices,
+                **extra}
 
     return chunk
 

@@ -40,8 +40,7 @@ OPERATIONS = ["/v1/chat/completions", "/v1/completions"]
 # fields the server refuses whenever they carry a value (server/protocol.py): generated freely, they would turn
 # most positive cases into the same 400
 REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "prediction",
-           "reasoning_effort", "web_search_options", "metadata", "service_tier",
-           "safety_identifier", "verbosity", "logit_bias", "best_of", "suffix", "store", "modalities",
+           "reasoning_effort", "web_search_options", "verbosity", "logit_bias", "best_of", "suffix", "store", "modalities",
            "response_format",
            # structured outputs: random schemas/regexes are mostly 400s too (tests/api/test_structured_api.py)
            "guided_json", "guided_regex", "guided_choice", "guided_grammar")

@@ -56,7 +56,10 @@ def test_openai_sdk_parse_with_a_pydantic_model(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
     for temperature in (0.0, 1.0):
         parsed = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "a reading?"}],
-                                               response_format=Reading, max_tokens=48, temperature=temperature)
+                                               response_format=Reading, max_tokens=48, temperature=temperature,
+                                               metadata={"app": "test"}, service_tier="auto",
+                                               safety_identifier="user-1", user="u")
+        assert parsed.service_tier == "default"
         reading = parsed.choices[0].message.parsed
         assert isinstance(reading, Reading) and parsed.choices[0].finish_reason == "stop"
         assert parsed.usage.prompt_tokens_details.cached_tokens >= 0

@@ -76,3 +76,16 @@ def test_bad_structured_requests_are_400s_naming_the_field(client, body, param):
     r = client.post("/v1/chat/completions", json=CHAT | body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_fields_that_do_not_change_generation_are_accepted(client):
+    extra = {"metadata": {"app": "notes", "run": "7"}, "service_tier": "auto", "safety_identifier": "user-42",
+             "user": "u", "max_tokens": 3}
+    r = client.post("/v1/chat/completions", json=CHAT | extra)
+    assert r.status_code == 200 and r.json()["service_tier"] == "default"
+    with client.stream("POST", "/v1/chat/completions", json=CHAT | extra | {"stream": True}) as s:
+        assert all(e["service_tier"] == "default" for e in sse_events(s)[:-1])
+    for bad, param in (({"metadata": {"k": "v" * 513}}, "metadata"), ({"service_tier": "gold"}, "service_tier"),
+                       ({"safety_identifier": "x" * 65}, "safety_identifier")):
+        r = client.post("/v1/chat/completions", json=CHAT | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
