@@ -77,6 +77,8 @@ class RequestBuilder:
             raise RequestTooLongError(f"the request needs up to {need} tokens of KV cache but kv_cache_memory holds "
                                       f"{self.num_blocks * self.block_size}", param="max_tokens")
         grammar = self._grammar(params)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise InvalidRequestError(f"logit_bias: token ids must be < {self.vocab_size}", "logit_bias")
         label = "prediction" if prediction and k else method if k else NONE
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        set(self.eos_token_ids), max_tokens, label, self.device, num_speculative_tokens=k,

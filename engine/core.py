@@ -24,7 +24,7 @@ from engine.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMe
 from engine.admission import RequestBuilder
 from engine.attention import PATTERN_ATTR, SeqChunk
 from engine.errors import InvalidRequestError
-from engine.grammar import GrammarCompiler, apply_bitmask, node_bitmasks, words
+from engine.grammar import GrammarCompiler, apply_bitmask, biased, node_bitmasks, words
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
@@ -314,8 +314,11 @@ class EngineCore:
             return {}
         ks = [seqs[i].num_draft_tokens for i in sampling]
         drafts = draft_batch([proposals[i] for i in sampling], self.vocab_size, self.device)
-        if any(seqs[i].request.grammar is not None for i in sampling):
-            logits = self._constrained(logits, [seqs[i].request for i in sampling], [proposals[i] for i in sampling])
+        reqs = [seqs[i].request for i in sampling]
+        if any(r.params.logit_bias for r in reqs):  # row j of request b is row offset_b + j: k + 1 rows each
+            logits = biased(logits, [r.params.logit_bias for r, k in zip(reqs, ks) for _ in range(k + 1)])
+        if any(r.grammar is not None for r in reqs):
+            logits = self._constrained(logits, reqs, [proposals[i] for i in sampling])
         res = verify(logits, [seqs[i].request for i in sampling], ks, drafts, self.generator)
         stats.num_accepted_tokens_per_pos = [0] * max(ks)
         moves: tuple[list[int], list[int]] = ([], [])

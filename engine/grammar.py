@@ -131,6 +131,17 @@ def node_bitmasks(matcher, parents: list[int], tokens: list[int], vocab_size: in
     return out
 
 
+def biased(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """fp32 logits [N, V] + each row's logit_bias (OpenAI's: added to the raw logits; None: nothing)."""
+    rows = [(r, t, b) for r, bias in enumerate(biases) if bias for t, b in bias.items()]
+    if not rows:
+        return logits
+    out = logits.float().clone()
+    r, t, b = zip(*rows)
+    idx = (torch.tensor(r, device=out.device), torch.tensor(t, device=out.device))
+    return out.index_put_(idx, torch.tensor(b, dtype=out.dtype, device=out.device), accumulate=True)
+
+
 FORBIDDEN = -1e30  # finite: the verifier's non-finite check (NaN/inf logits fail a request) must still work
 
 

@@ -42,6 +42,7 @@ class SamplingParams:
     prediction: str | list[int] | None = None  # Predicted Outputs: the expected completion (text or token ids)
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached KV blocks
     structured: GrammarSpec | None = None  # the output must match this grammar (engine/grammar.py)
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to the logits of these token ids (-100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +70,9 @@ class SamplingParams:
         _check(self.prediction is None or isinstance(self.prediction, str)
                or (isinstance(self.prediction, list) and all(isinstance(t, int) and t >= 0 for t in self.prediction)),
                "prediction", "must be a string or a list of token ids")
+        _check(self.logit_bias is None or (len(self.logit_bias) <= 300 and all(
+            isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+            "logit_bias", "at most 300 token ids (non-negative integers) with biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

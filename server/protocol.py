@@ -104,8 +104,8 @@ class _SamplingFields(_Request):
     guided_regex: str | None = Field(None, min_length=1)
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = Field(None, min_length=1)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id -> bias, on p and on a draft model's q alike
     # accepted only with the one value that means "nothing to do"; anything else is a 400 naming the field
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
     @field_validator("stop")
@@ -122,13 +122,14 @@ class _SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.logit_bias:
-            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "stream_options is only allowed when stream is true")
         self.grammar_spec()  # response_format's shape; at most one structured-output field
+        biases = self.token_biases() or {}
+        if len(biases) > 300 or any(t < 0 or not -100 <= b <= 100 for t, b in biases.items()):
+            raise UnsupportedFieldError("logit_bias", "logit_bias: at most 300 token ids, biases in [-100, 100]")
         return self
 
     def stop_list(self) -> list[str]:
@@ -145,7 +146,17 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             num_speculative_tokens=self.num_speculative_tokens, speculative_method=self.speculative_method,
-            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant), structured=self.grammar_spec())
+            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant), structured=self.grammar_spec(),
+            logit_bias=self.token_biases())
+
+    def token_biases(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token id strings -> bias): the engine checks ids against the vocabulary."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): float(v) for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise UnsupportedFieldError("logit_bias", "logit_bias: keys must be token ids (integers)") from None
 
     def grammar_spec(self) -> GrammarSpec | None:
         """The one grammar the request asks for (guided_* here; chat adds response_format), or None."""

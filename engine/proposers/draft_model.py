@@ -12,7 +12,7 @@ import torch
 
 from config.schema import SpeculativeMethodConfig
 from engine.attention import SeqChunk
-from engine.grammar import apply_bitmask, fill_next_token_bitmask, words
+from engine.grammar import apply_bitmask, biased, fill_next_token_bitmask, words
 from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import check_draft_compatible, check_model_path, is_gguf, load_model
 from engine.model_runner import ModelRunner
@@ -72,6 +72,8 @@ class DraftModelProposer:
         consumed = dict.fromkeys(grammars, 0)  # drafts each grammar request's matcher took (rolled back below)
         for j in range(k_max):
             idx = torch.tensor(active, device=self.device)
+            if any(requests[a].params.logit_bias for a in active):  # q sees the request's bias as p does
+                logits = biased(logits, [requests[a].params.logit_bias for a in active])
             if grammars:  # q' = the draft's distribution under the same grammar state the target will see
                 logits = self._constrained(logits, active, grammars)
             q = processed_probs(logits, _select(st_all, idx))  # [A, V]

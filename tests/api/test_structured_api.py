@@ -89,3 +89,15 @@ def test_fields_that_do_not_change_generation_are_accepted(client):
                        ({"safety_identifier": "x" * 65}, "safety_identifier")):
         r = client.post("/v1/chat/completions", json=CHAT | bad)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+
+
+def test_logit_bias(client):
+    body = CHAT | {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = content(client.post("/v1/chat/completions", json=body))
+    forced = client.post("/v1/chat/completions", json=body | {"logit_bias": {"65": 100}})
+    assert content(forced) != plain and client.post("/v1/chat/completions", json=body | {
+        "logit_bias": {"65": 100}, "num_speculative_tokens": 0}).json()["choices"][0]["message"]["content"] == \
+        content(forced)
+    for bad in ({"x": 1}, {"65": 101}, {"100000": 1}):
+        r = client.post("/v1/chat/completions", json=body | {"logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text

@@ -186,3 +186,21 @@ def test_law_check_fails_when_a_sampled_draft_is_cut_at_its_first_forbidden_toke
         return Proposal(ids, counts, prop.probs)
     monkeypatch.setattr(DraftModelProposer, "propose", cut)
     assert _p_value(letters) < 1e-6
+
+
+@pytest.mark.parametrize("engine", [dict(draft="llama_draft", k=3), dict(speculative_method="ngram", k=3)])
+def test_logit_bias_is_exact_under_speculation(tiny, engine):
+    engine = dict(engine)
+    if "draft" in engine:
+        engine["draft"] = tiny[engine["draft"]]
+    bias = {65: 4.0, 66: 3.5, 67: -100.0}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias=bias)
+    plain = run(make_core(tiny["llama"]), PROMPTS, params)
+    outs = run(make_core(tiny["llama"], **engine), PROMPTS, params, join_after=2)
+    assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    unbiased = run(make_core(tiny["llama"]), PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [o.output_token_ids for o in plain] != [o.output_token_ids for o in unbiased]  # the bias did something
+    assert all(67 not in o.output_token_ids for o in plain)
+    with pytest.raises(InvalidRequestError) as err:
+        make_core(tiny["llama"]).make_request("r", "x", SamplingParams(logit_bias={10_000: 1.0}))
+    assert err.value.param == "logit_bias"
