@@ -23,7 +23,8 @@ SECTIONS = (EngineConfig, ServerConfig)
 _K8S_SERVICE_LINKS = (ENV_PREFIX + "SERVICE_", ENV_PREFIX + "PORT_")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METHODS = (*proposer_names(), *ALIASES, NONE)  # the engine's registry (a light module: no torch)
-CHOICES = {"speculative_method": METHODS, "log_level": LOG_LEVELS, "log_format": ("text", "json")}
+CHOICES = {"speculative_method": METHODS, "log_level": LOG_LEVELS, "log_format": ("text", "json"),
+           "tool_call_parser": ("hermes", "llama3_json")}
 
 # field -> (meaning, what a None default means; None where the default is a plain value)
 HELP: dict[str, tuple[str, str | None]] = {
@@ -84,6 +85,8 @@ HELP: dict[str, tuple[str, str | None]] = {
     "max_request_bytes": ("largest request body; larger ones get HTTP 413; accepts sizes like 4MiB", None),
     "request_timeout": ("seconds a request may run before it ends with an error (HTTP 504)", "no limit"),
     "log_prompts": ("include prompt and completion text in the per-request log line", None),
+    "tool_call_parser": ("how the model writes tool calls: hermes (<tool_call>{...}</tool_call>, Hermes/Qwen) or "
+                         "llama3_json ({\"name\": ..., \"parameters\": ...}, Llama 3)", None),
     "prefix_caching_per_key": ("salt the prefix cache by the API key that authenticated the request, so that one "
                                "tenant's time to first token cannot reveal another's prompts "
                                "(--no-prefix-caching-per-key shares the cache between keys)", None),

@@ -201,6 +201,7 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20  # larger request bodies get HTTP 413
     request_timeout: float | None = None  # seconds a request may take; then it ends with an error (504)
     log_prompts: bool = False  # put prompt and completion text in the request log lines (off: never)
+    tool_call_parser: str = "hermes"  # how tool calls look in the model's output (server/tools.py)
     prefix_caching_per_key: bool = True  # with several API keys, requests of different keys never share cached KV
 
     def __post_init__(self) -> None:
@@ -212,6 +213,8 @@ class ServerConfig:
             raise ValueError("log_level: must be one of critical, error, warning, info, debug, trace")
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format: must be 'text' or 'json'")
+        if self.tool_call_parser not in ("hermes", "llama3_json"):
+            raise ValueError("tool_call_parser: must be 'hermes' or 'llama3_json'")
         if self.api_key and self.api_key_file:
             raise ValueError("api_key_file: give either api_key or api_key_file, not both")
         if self.max_request_bytes < 1:

@@ -18,6 +18,7 @@ from engine.loader import DEMO_MODEL_NAME, is_gguf
 from engine.proposers.prediction import MAX_K as PREDICTION_K
 from engine.proposers.registry import canonical
 from server.auth import resolve_api_keys
+from server.tools import PARSERS
 from server.errors import BodyLimitMiddleware, install_error_handlers
 from server.metrics import Metrics
 from server.request_log import RequestIdMiddleware
@@ -73,7 +74,8 @@ def create_app(config: AppConfig) -> FastAPI:
     app.state.api_keys = resolve_api_keys(config.server.api_key, config.server.api_key_file)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.state.ctx = ServingContext(engine=engine, model_name=name, request_timeout=config.server.request_timeout)
+    app.state.ctx = ServingContext(engine=engine, model_name=name, request_timeout=config.server.request_timeout,
+                                   tool_parser=PARSERS[config.server.tool_call_parser])
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(router)

@@ -61,10 +61,29 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's tool call, as the client sends the history back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+    index: int | None = None  # present when a client rebuilt the message from stream deltas
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only: the call they answer
+    # what the SDK's own response message carries when a client passes it back into the history
+    refusal: str | None = None
+    annotations: list | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -136,8 +155,10 @@ class _SamplingFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, choice: int,
-                        prediction: list[int] | None = None, tenant: str | None = None) -> SamplingParams:
-        """The single conversion to engine params. Choice i of n uses seed + i (documented)."""
+                        prediction: list[int] | None = None, tenant: str | None = None,
+                        structured: GrammarSpec | None = None) -> SamplingParams:
+        """The single conversion to engine params. Choice i of n uses seed + i (documented). `structured`: a
+        grammar the server made (a forced tool call) instead of the request's own structured-output field."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -146,7 +167,7 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             num_speculative_tokens=self.num_speculative_tokens, speculative_method=self.speculative_method,
-            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant), structured=self.grammar_spec(),
+            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant), structured=structured or self.grammar_spec(),
             logit_bias=self.token_biases())
 
     def token_biases(self) -> dict[int, float] | None:
@@ -187,7 +208,7 @@ class _SamplingFields(_Request):
         return None if all(p is None for p in parts) else json.dumps(parts)
 
 
-_CHAT_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+_CHAT_UNSUPPORTED = ("functions", "function_call", "audio",
                      "reasoning_effort", "web_search_options", "verbosity")
 
 
@@ -231,6 +252,27 @@ class PredictionContent(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -239,12 +281,12 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     store: bool | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # declared so that a request using them gets a 400 that names the field (not an "extra field" message)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     prediction: PredictionContent | None = None
     reasoning_effort: Any = None
@@ -273,10 +315,45 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFieldError("store", "stored completions are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        self._check_tools()
         return self
 
     def _grammar_specs(self) -> list[GrammarSpec | None]:
         return [_response_format_spec(self.response_format), *super()._grammar_specs()]
+
+    def _check_tools(self) -> None:
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise UnsupportedFieldError(f"messages.{i}.tool_call_id", "a tool message needs tool_call_id")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise UnsupportedFieldError(f"messages.{i}.tool_calls", "only assistant messages carry tool_calls")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise UnsupportedFieldError("tools", "tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise UnsupportedFieldError("tool_choice", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise UnsupportedFieldError("tool_choice", f"tool_choice: no tool named {choice.function.name!r}")
+        if self.forced_tool_call and self.grammar_spec() is not None:
+            raise UnsupportedFieldError("tool_choice", "tool_choice required or a named function cannot be combined "
+                                        "with another structured-output field")
+
+    @property
+    def tools_active(self) -> bool:
+        """The tools are rendered and the output is parsed for calls (tool_choice none: neither)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -17,6 +17,7 @@ from server.request_log import log_finished
 from server.serving import (check_model, chat_response, collect, completion_response, new_id, now,
                             render_chat_prompt, submit_all)
 from server.streaming import chat_stream, completion_stream
+from server.tools import forced_call_grammar
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 router = APIRouter()
@@ -71,25 +72,29 @@ def _tenant(request: Request) -> str | None:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     ctx = _ready(request)
     check_model(ctx, body.model)
-    prompt = render_chat_prompt(ctx.tokenizer, body)
+    parser = ctx.tool_parser
+    prompt = render_chat_prompt(ctx.tokenizer, body, parser)
+    forced = forced_call_grammar(body.tool_dicts(), body.forced_function, body.parallel_tool_calls is not False,
+                                 parser) if body.forced_tool_call else None
+    tools = (parser, body.parallel_tool_calls is not False) if body.tools_active else None
     ids = encode_rendered(ctx.tokenizer, prompt)
     predicted = None
     if body.prediction is not None:  # tokenised here like the prompt (the engine thread keeps its own tokenizer)
         predicted = encode_rendered(ctx.tokenizer, body.prediction.text())
     tenant = _tenant(request)
-    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i, predicted, tenant))
+    jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i, predicted, tenant, forced))
             for i in range(body.n)]
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
     done = _logger(request, rid, "chat", len(ids), prompt, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return chat_stream(ctx, rid, streams, len(ids), include_usage, done)
+        return chat_stream(ctx, rid, streams, len(ids), include_usage, done, tools)
     outs = await _unless_disconnected(request, collect(streams, ctx.request_timeout))
     done(outs or [], "ok" if outs is not None else "disconnected")
     if outs is None:
         return Response(status_code=499)
-    return JSONResponse(chat_response(ctx, rid, len(ids), outs))
+    return JSONResponse(chat_response(ctx, rid, len(ids), outs, tools))
 
 
 @v1.post("/completions")

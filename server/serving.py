@@ -12,6 +12,7 @@ from engine.client import EngineClient
 from engine.request import RequestOutput, TokenLogprob
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tools import PARSERS, chat_messages, message_with_calls, template_renders_tools
 
 
 @dataclass
@@ -19,6 +20,7 @@ class ServingContext:
     engine: EngineClient
     model_name: str
     request_timeout: float | None = None
+    tool_parser: object = None  # server/tools.py: how tool calls look in this model's output
 
     @property
     def tokenizer(self):
@@ -31,9 +33,14 @@ def check_model(ctx: ServingContext, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def render_chat_prompt(tokenizer, req: ChatCompletionRequest) -> str:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+def render_chat_prompt(tokenizer, req: ChatCompletionRequest, parser=None) -> str:
+    """The prompt through the model's chat template; tools and tool turns as server/tools.py renders them."""
+    parser = parser or PARSERS["hermes"]
+    native = template_renders_tools(tokenizer)
+    messages, tools = chat_messages(req, parser, native)
     if getattr(tokenizer, "chat_template", None):
+        if tools is not None:
+            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # fallback for models without a template: plain role-prefixed turns
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
@@ -168,12 +175,18 @@ def now() -> int:
 
 # -- non-streamed responses -------------------------------------------------------------------------------------
 
-def chat_response(ctx: ServingContext, rid: str, num_prompt_tokens: int, outs: list[RequestOutput]) -> dict:
+def chat_response(ctx: ServingContext, rid: str, num_prompt_tokens: int, outs: list[RequestOutput],
+                  tools: tuple[object, bool] | None = None) -> dict:
+    """tools: (parser, parallel_tool_calls) when the output is to be parsed for tool calls."""
+    choices = []
+    for i, o in enumerate(outs):
+        message, called = ({"role": "assistant", "content": o.text, "refusal": None}, False) if tools is None else \
+            message_with_calls(o.text, *tools)
+        reason = "tool_calls" if called and finish_reason(o) == "stop" else finish_reason(o)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(ctx.tokenizer, o.logprobs),
+                        "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name,
-            "service_tier": "default",
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text, "refusal": None},
-                         "logprobs": chat_logprobs(ctx.tokenizer, o.logprobs), "finish_reason": finish_reason(o)}
-                        for i, o in enumerate(outs)],
+            "service_tier": "default", "choices": choices,
             "usage": usage(num_prompt_tokens, outs, len(outs)), "speculation": speculation_sum(outs)}
 
 

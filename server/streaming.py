@@ -13,6 +13,7 @@ from engine.request import RequestOutput
 from server.errors import api_error
 from server.serving import (ServingContext, chat_logprobs, completion_logprobs, finish_reason, merge, now,
                             speculation_sum, usage)
+from server.tools import message_with_calls
 
 DONE = "[DONE]"
 OnEnd = Callable[[list[RequestOutput], str], None]
@@ -76,7 +77,12 @@ async def _reported(chunks: AsyncIterator[dict], finals: dict[int, RequestOutput
 
 
 def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, include_usage: bool,
-                on_end: OnEnd):
+                on_end: OnEnd, tools: tuple[object, bool] | None = None):
+    """tools: (parser, parallel_tool_calls) when the output may hold tool calls: each choice's text is then held
+    back and sent when it finishes, as a content delta (text before the calls, if any) and one tool_calls delta
+    carrying every call whole (OpenAI's shape; not streamed piece by piece)."""
+    if tools is not None:
+        return _chat_stream_with_tools(ctx, rid, streams, num_prompt_tokens, include_usage, on_end, tools)
     finals: dict[int, RequestOutput] = {}
 
     async def chunks():
@@ -88,6 +94,32 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
             delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             yield chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(ctx.tokenizer, out.delta_logprobs),
                           "finish_reason": finish_reason(out) if out.finished else None}])
+        if include_usage:
+            yield _usage_chunk(chunk, finals, num_prompt_tokens, len(streams))
+
+    return sse_response(_guarded(_reported(chunks(), finals, on_end)))
+
+
+def _chat_stream_with_tools(ctx, rid, streams, num_prompt_tokens, include_usage, on_end, tools):
+    finals: dict[int, RequestOutput] = {}
+
+    async def chunks():
+        chunk = _chunk_maker(ctx, rid, "chat.completion.chunk")
+        for i in range(len(streams)):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for i, out in _deltas(streams, finals, ctx.request_timeout):
+            if not out.finished:
+                continue
+            message, called = message_with_calls(out.text, *tools, delta=True)
+            if message["content"]:
+                yield chunk([{"index": i, "delta": {"content": message["content"]}, "logprobs": None,
+                              "finish_reason": None}])
+            if called:
+                yield chunk([{"index": i, "delta": {"tool_calls": message["tool_calls"]}, "logprobs": None,
+                              "finish_reason": None}])
+            reason = "tool_calls" if called and finish_reason(out) == "stop" else finish_reason(out)
+            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}])
         if include_usage:
             yield _usage_chunk(chunk, finals, num_prompt_tokens, len(streams))
 

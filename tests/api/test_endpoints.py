@@ -105,7 +105,7 @@ def test_chat_logprobs(client):
 
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": -0.1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -114,7 +114,7 @@ def test_chat_logprobs(client):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
     ({"response_format": {"type": "json_object", "extra": 1}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
      "response_format.json_schema.schema"),
