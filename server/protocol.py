@@ -167,8 +167,8 @@ class _SamplingFields(_Request):
             max_tokens=max_tokens, stop=self.stop_list(), ignore_eos=self.ignore_eos, logprobs=logprobs,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             num_speculative_tokens=self.num_speculative_tokens, speculative_method=self.speculative_method,
-            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant), structured=structured or self.grammar_spec(),
-            logit_bias=self.token_biases())
+            prediction=prediction, cache_salt=self.prefix_cache_salt(tenant),
+            structured=structured or self.grammar_spec(), logit_bias=self.token_biases())
 
     def token_biases(self) -> dict[int, float] | None:
         """OpenAI's logit_bias (token id strings -> bias): the engine checks ids against the vocabulary."""
