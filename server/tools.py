@@ -145,12 +145,21 @@ def fallback_tool_prompt(tools: list[dict], parser) -> str:
     return FALLBACK_HEADER + "\n".join(lines) + "\n" + parser.instructions()
 
 
+def _declared_only(tool: dict) -> dict:
+    """The arguments' schema, limited to the declared properties unless it says otherwise: JSON Schema allows extra
+    keys by default, and clients rarely say `additionalProperties` (a small model then invents arguments until it
+    runs out of tokens)."""
+    params = dict(tool.get("parameters") or {"type": "object", "properties": {}})
+    if params.get("type") == "object" and "additionalProperties" not in params:
+        params["additionalProperties"] = False
+    return params
+
+
 def forced_call_grammar(tools: list[dict], only: str | None, parallel: bool, parser) -> GrammarSpec:
     """`tool_choice: required` (any of the tools) or a named function: the output can only be such calls."""
     chosen = [t for t in tools if only is None or t["name"] == only]
     # compact JSON (no free whitespace): a small model can otherwise pad a forced call with whitespace forever
-    schemas = [{"x-guidance": {"whitespace_flexible": False}} |
-               parser.call_schema(t["name"], t.get("parameters") or {"type": "object", "properties": {}})
+    schemas = [{"x-guidance": {"whitespace_flexible": False}} | parser.call_schema(t["name"], _declared_only(t))
                for t in chosen]
     return GrammarSpec("grammar", parser.grammar(schemas, parallel and only is None), "tools")
 

@@ -153,3 +153,14 @@ def test_openai_sdk_tools_and_streamed_tool_calls(client):
     calls = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
     assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments)["city"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_forced_call_arguments_keep_to_the_declared_properties(client):
+    loose = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"key": {"enum": ["a", "b"]}}, "required": ["key"]}}}]  # no additionalProperties
+    for seed in range(3):
+        r = client.post("/v1/chat/completions", json=CHAT | {"tools": loose, "tool_choice": "required", "seed": seed,
+                                                             "temperature": 1.0, "max_tokens": 64})
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
+        for call in r.json()["choices"][0]["message"]["tool_calls"]:
+            assert set(json.loads(call["function"]["arguments"])) == {"key"}
