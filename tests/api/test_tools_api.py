@@ -160,6 +160,7 @@ def test_forced_call_arguments_keep_to_the_declared_properties(client):
         "type": "object", "properties": {"key": {"enum": ["a", "b"]}}, "required": ["key"]}}}]  # no additionalProperties
     for seed in range(3):
         r = client.post("/v1/chat/completions", json=CHAT | {"tools": loose, "tool_choice": "required", "seed": seed,
+                                                             "parallel_tool_calls": False,
                                                              "temperature": 1.0, "max_tokens": 64})
         assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.text
         for call in r.json()["choices"][0]["message"]["tool_calls"]:
