@@ -23,9 +23,9 @@ from config.schema import EngineConfig
 from engine.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMedian, Row, plan
 from engine.admission import RequestBuilder
 from engine.attention import PATTERN_ATTR, SeqChunk
+from engine.block_allocator import BlockAllocator
 from engine.errors import InvalidRequestError
 from engine.grammar import GrammarCompiler, apply_bitmask, biased, node_bitmasks, words
-from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
                            resolve_chat_template, resolve_device, resolve_dtype)

@@ -87,7 +87,7 @@ class DraftModelProposer:
             probs[idx, j] = q
             if grammars:
                 for a, tok in zip(active, drafted.tolist()):
-                    if a in grammars:
+                    if a in grammars and consumed[a] == j:  # (after a refusal, positions are unreachable anyway)
                         consumed[a] += grammars[a].try_consume_tokens([tok])
             keep = [n for n, a in enumerate(active) if ks[a] > j + 1]
             if not keep:
