@@ -70,6 +70,7 @@ class DraftModelProposer:
         active = list(range(num))
         grammars = {a: r.grammar for a, r in enumerate(requests) if r.grammar is not None}
         consumed = dict.fromkeys(grammars, 0)  # drafts each grammar request's matcher took (rolled back below)
+        counts = list(ks)  # a grammar request's proposal ends where its grammar is complete (nothing comes after)
         for j in range(k_max):
             idx = torch.tensor(active, device=self.device)
             if any(requests[a].params.logit_bias for a in active):  # q sees the request's bias as p does
@@ -87,9 +88,11 @@ class DraftModelProposer:
             probs[idx, j] = q
             if grammars:
                 for a, tok in zip(active, drafted.tolist()):
-                    if a in grammars and consumed[a] == j:  # (after a refusal, positions are unreachable anyway)
+                    if a in grammars:
                         consumed[a] += grammars[a].try_consume_tokens([tok])
-            keep = [n for n, a in enumerate(active) if ks[a] > j + 1]
+                        if consumed[a] <= j or grammars[a].is_stopped():
+                            counts[a] = j + 1
+            keep = [n for n, a in enumerate(active) if counts[a] > j + 1]
             if not keep:
                 break
             active = [active[n] for n in keep]
@@ -98,9 +101,9 @@ class DraftModelProposer:
             logits = self.runner.forward(drafted[keep_idx], chunks, torch.arange(len(active)))
         for a, matcher in grammars.items():
             matcher.rollback(consumed[a])
-        for req, k in zip(requests, ks):
+        for req, k in zip(requests, counts):
             self._computed[req.request_id] = len(req.token_ids) + k - 1
-        return Proposal(token_ids, list(ks), probs)
+        return Proposal(token_ids, counts, probs)
 
     def _constrained(self, logits: torch.Tensor, active: list[int], grammars: dict) -> torch.Tensor:
         masks = torch.full((len(active), words(logits.shape[-1])), -1, dtype=torch.int32)

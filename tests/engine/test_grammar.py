@@ -54,7 +54,10 @@ def test_greedy_identical_with_and_without_speculation_under_a_grammar(tiny, pla
     spec = WORDS if grammar == "words" else JSON_SPEC
     outs = run(core, PROMPTS, _greedy(spec), join_after=2)
     assert [o.output_token_ids for o in outs] == plain[grammar]
-    assert sum(o.speculation.num_draft_tokens for o in outs) > 0
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    assert drafted > 0
+    if engine.get("draft") == tiny["llama"]:  # the target as its own draft, masked alike: every draft accepted
+        assert sum(o.speculation.num_accepted_tokens for o in outs) == drafted
     for o in outs:
         if grammar == "words":
             assert re.fullmatch(WORDS.value, o.text), o.text
@@ -198,6 +201,9 @@ def test_logit_bias_is_exact_under_speculation(tiny, engine):
     plain = run(make_core(tiny["llama"]), PROMPTS, params)
     outs = run(make_core(tiny["llama"], **engine), PROMPTS, params, join_after=2)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in plain]
+    self_draft = run(make_core(tiny["llama"], tiny["llama"], k=3), PROMPTS, params)  # q biased as p is
+    drafted = sum(o.speculation.num_draft_tokens for o in self_draft)
+    assert drafted > 0 and sum(o.speculation.num_accepted_tokens for o in self_draft) == drafted
     unbiased = run(make_core(tiny["llama"]), PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.output_token_ids for o in plain] != [o.output_token_ids for o in unbiased]  # the bias did something
     assert all(67 not in o.output_token_ids for o in plain)
