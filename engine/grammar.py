@@ -87,7 +87,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
     from llguidance import LLMatcher
 
     if spec.kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, {"whitespace_flexible": False})
     if spec.kind == "json_schema":
         return LLMatcher.grammar_from_json_schema(spec.value, {"whitespace_flexible": False})
     if spec.kind == "regex":
@@ -121,13 +121,19 @@ def node_bitmasks(matcher, parents: list[int], tokens: list[int], vocab_size: in
     out = torch.full((len(tokens) + 1, words(vocab_size)), -1, dtype=torch.int32)
     fill_next_token_bitmask(matcher, out, 0)
     paths: list[list[int]] = [[]]
+    held: list[int] = []  # tokens the matcher holds beyond the emitted ones: it moves node to node, not from the root
     for i, (parent, tok) in enumerate(zip(parents, tokens), start=1):
-        paths.append(paths[parent] + [tok])
-        path = paths[i]
-        done = matcher.try_consume_tokens(path)
-        if done == len(path):
+        path = paths[parent] + [tok]
+        paths.append(path)
+        common = 0
+        while common < min(len(held), len(path)) and held[common] == path[common]:
+            common += 1
+        matcher.rollback(len(held) - common)
+        done = matcher.try_consume_tokens(path[common:])
+        held = path[:common + done]
+        if len(held) == len(path):
             fill_next_token_bitmask(matcher, out, i)
-        matcher.rollback(done)
+    matcher.rollback(len(held))
     return out
 
 

@@ -99,7 +99,6 @@ class Request:
         self.num_published_blocks = 0
         self.num_marked_blocks = 0
         self.num_cached_tokens = 0
-        self.admitted = False
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.speculation = SpeculationStats(method=method)

@@ -160,8 +160,7 @@ class Scheduler:
         req.num_marked_blocks = min(valid, len(shared))
         if method and start:
             out.cache_hits.append(CacheHit(req, start, min(valid * bs, start)))
-        if not req.admitted:  # OpenAI's cached_tokens and the hit-rate metrics count each prompt once
-            req.admitted = True
+        if req.first_scheduled_time is None:  # first admission: cached_tokens and the hit metrics count it once
             req.num_cached_tokens = start
             out.prefix_queries += total
             out.prefix_hits += start
