@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 class GrammarClock:
     """Wraps the engine's grammar entry points with a timer (the bench's own engine only; restored on exit)."""
 
-    TARGETS = [(engine.core.EngineCore, "_constrained"), (engine.core, "_advance_grammar"),
+    TARGETS = [(engine.core, "verify_bitmasks"), (engine.core, "apply_bitmask"), (engine.core, "advance_grammar"),
                (engine.proposers.draft_model.DraftModelProposer, "_constrained")]
 
     def __init__(self):

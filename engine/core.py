@@ -25,7 +25,7 @@ from engine.admission import RequestBuilder
 from engine.attention import PATTERN_ATTR, SeqChunk
 from engine.block_allocator import BlockAllocator
 from engine.errors import InvalidRequestError
-from engine.grammar import GrammarCompiler, apply_bitmask, biased, node_bitmasks, words
+from engine.grammar import advance_grammar, apply_bitmask, biased, grammar_compiler, verify_bitmasks
 from engine.kv_cache import KVPool, kv_bytes_per_token
 from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
                            resolve_chat_template, resolve_device, resolve_dtype)
@@ -89,7 +89,7 @@ class EngineCore:
         seed = config.seed if config.seed is not None else random.randrange(1 << 62)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = self._eos_ids(target)
-        self.grammars = _grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
                                       {n: p.num_speculative_tokens for n, p in self.proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
@@ -318,7 +318,7 @@ class EngineCore:
         if any(r.params.logit_bias for r in reqs):  # row j of request b is row offset_b + j: k + 1 rows each
             logits = biased(logits, [r.params.logit_bias for r, k in zip(reqs, ks) for _ in range(k + 1)])
         if any(r.grammar is not None for r in reqs):
-            logits = self._constrained(logits, reqs, [proposals[i] for i in sampling])
+            logits = apply_bitmask(logits, verify_bitmasks(reqs, [proposals[i] for i in sampling], self.vocab_size))
         res = verify(logits, [seqs[i].request for i in sampling], ks, drafts, self.generator)
         stats.num_accepted_tokens_per_pos = [0] * max(ks)
         moves: tuple[list[int], list[int]] = ([], [])
@@ -339,8 +339,8 @@ class EngineCore:
                 for j, tok in enumerate(res.tokens[b]):
                     self._append(req, tok, None if lp is None else TokenLogprob(tok, lp[0][j], lp[1][j]))
                     stats.num_generation_tokens += 1
-                    if req.grammar is not None:
-                        _advance_grammar(req, tok)
+                    if req.grammar is not None and advance_grammar(req.grammar, tok) and not req.finished:
+                        req.finish("stop")  # the grammar is complete: plain decoding would stop here too
                     if req.finished:
                         break
             except Exception as exc:
@@ -350,19 +350,6 @@ class EngineCore:
         if moves[0]:
             self.target.kv.copy_slots(*moves)
         return {i: res.paths[b] for b, i in enumerate(sampling)}
-
-    def _constrained(self, logits: torch.Tensor, requests: list[Request], proposals: list) -> torch.Tensor:
-        """The verified rows' logits with each grammar request's masks applied (engine/grammar.py): row j of a
-        request is masked by the grammar state after its emitted tokens and the proposed tokens on node j's path."""
-        masks = []
-        for req, prop in zip(requests, proposals):
-            n = 0 if prop is None else len(prop.tokens)
-            if req.grammar is None:
-                masks.append(torch.full((n + 1, words(self.vocab_size)), -1, dtype=torch.int32))
-                continue
-            parents = list(range(n)) if prop is None or prop.parents is None else prop.parents
-            masks.append(node_bitmasks(req.grammar, parents, [] if prop is None else prop.tokens, self.vocab_size))
-        return apply_bitmask(logits, torch.cat(masks))
 
     def _free(self, req: Request) -> None:
         if req.prediction_token_ids:
@@ -386,20 +373,3 @@ class EngineCore:
         elif req.num_output_tokens >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
             req.finish("length")
 
-
-def _grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: set[int]) -> GrammarCompiler | None:
-    """Structured output needs llguidance and a fast tokenizer; without them requests asking for it get a 400."""
-    try:
-        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-    except (ImportError, ValueError) as exc:
-        log.warning("structured output unavailable: %s", exc)
-        return None
-
-
-def _advance_grammar(req: Request, token: int) -> None:
-    """The matcher consumes an emitted token; a grammar that is complete ends the request ("stop") right there, as
-    plain decoding would (the only token it then allows is the end of sequence)."""
-    if not req.grammar.consume_token(token):
-        raise RuntimeError(f"the grammar refused an emitted token: {req.grammar.get_error()}")
-    if req.grammar.is_stopped() and not req.finished:
-        req.finish("stop")

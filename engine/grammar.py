@@ -17,12 +17,15 @@ llguidance was picked over xgrammar: its wheel has no dependencies (3 MB), xgram
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+log = logging.getLogger("specserve.engine")
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _CACHE_SIZE = 256
@@ -83,6 +86,23 @@ class GrammarCompiler:
         return grammar
 
 
+def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: set[int]) -> GrammarCompiler | None:
+    """Structured output needs llguidance and a fast tokenizer; without them requests asking for it get a 400."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+    except (ImportError, ValueError) as exc:
+        log.warning("structured output unavailable: %s", exc)
+        return None
+
+
+def advance_grammar(matcher, token: int) -> bool:
+    """The matcher consumes an emitted token. -> whether the grammar is now complete (the only token it then allows
+    is the end of sequence, so the request ends there)."""
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"the grammar refused an emitted token: {matcher.get_error()}")
+    return matcher.is_stopped()
+
+
 def _grammar_text(spec: GrammarSpec) -> str:
     from llguidance import LLMatcher
 
@@ -135,6 +155,20 @@ def node_bitmasks(matcher, parents: list[int], tokens: list[int], vocab_size: in
             fill_next_token_bitmask(matcher, out, i)
     matcher.rollback(len(held))
     return out
+
+
+def verify_bitmasks(requests, proposals, vocab_size: int) -> torch.Tensor:
+    """Masks [N, words] of one step's verified rows (k + 1 per request, in order): a grammar request's row j is
+    masked by the state after its emitted tokens and the proposed tokens on node j's path; other rows are open."""
+    masks = []
+    for req, prop in zip(requests, proposals):
+        n = 0 if prop is None else len(prop.tokens)
+        if req.grammar is None:
+            masks.append(torch.full((n + 1, words(vocab_size)), -1, dtype=torch.int32))
+            continue
+        parents = list(range(n)) if prop is None or prop.parents is None else prop.parents
+        masks.append(node_bitmasks(req.grammar, parents, [] if prop is None else prop.tokens, vocab_size))
+    return torch.cat(masks)
 
 
 def biased(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError, RequestTooLongError
-from server.protocol import UnsupportedFieldError
+from server.schema_base import UnsupportedFieldError
 
 
 class APIError(Exception):

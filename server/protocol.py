@@ -4,78 +4,26 @@ and the one conversion of a request body into engine SamplingParams."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from engine.grammar import GrammarSpec
 from engine.sampling_params import SamplingParams
-
+from server.schema_base import UnsupportedFieldError, RequestModel, StrictModel
+from server.tool_schemas import NamedToolChoice, ToolCallIn, ToolDef, response_format_spec
 
 MAX_STOP_CHARS = 512
 
 
-def _find_unencodable(value, path: str) -> str | None:
-    """Path of the first string that is not valid Unicode (lone surrogates from JSON escapes like \\ud800)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            if (hit := _find_unencodable(v, f"{path}.{k}" if path else str(k))) is not None:
-                return hit
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            if (hit := _find_unencodable(v, f"{path}.{i}")) is not None:
-                return hit
-    return None
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Request(_Strict):
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        bad = _find_unencodable(data, "")
-        if bad is not None:
-            raise UnsupportedFieldError(bad, f"{bad}: the text is not valid UTF-8 (unpaired surrogate)")
-        return data
-
-
-class UnsupportedFieldError(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 # -- requests --------------------------------------------------------------------------------------------------------
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCallIn(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCallIn(_Strict):
-    """An assistant message's tool call, as the client sends the history back."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-    index: int | None = None  # present when a client rebuilt the message from stream deltas
-
-
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -91,12 +39,12 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # the SDK may send it; SSE here is not obfuscated either way
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(RequestModel):
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -212,37 +160,7 @@ _CHAT_UNSUPPORTED = ("functions", "function_call", "audio",
                      "reasoning_effort", "web_search_options", "verbosity")
 
 
-def _response_format_spec(fmt: dict[str, Any] | None) -> GrammarSpec | None:
-    """OpenAI's response_format: text (nothing to enforce), json_object, or json_schema {name, schema, strict}."""
-    if fmt is None:
-        return None
-    kind = fmt.get("type")
-    if kind == "text" and set(fmt) == {"type"}:
-        return None
-    if kind == "json_object" and set(fmt) == {"type"}:
-        return GrammarSpec("json_object", "", "response_format")
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if set(fmt) != {"type", "json_schema"} or not isinstance(spec, dict):
-            raise UnsupportedFieldError("response_format.json_schema", "response_format.json_schema: an object "
-                                        "{name, schema, strict, description} is required")
-        unknown = set(spec) - {"name", "schema", "strict", "description"}
-        if unknown:
-            raise UnsupportedFieldError("response_format.json_schema", "response_format.json_schema: unknown "
-                                        f"field(s) {', '.join(sorted(unknown))}")
-        name, schema = spec.get("name"), spec.get("schema", {})
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            raise UnsupportedFieldError("response_format.json_schema.name", "response_format.json_schema.name: "
-                                        "1-64 letters, digits, _ or - (required)")
-        if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
-            raise UnsupportedFieldError("response_format.json_schema.schema", "response_format.json_schema: "
-                                        "schema must be an object and strict a boolean")
-        return GrammarSpec("json_schema", json.dumps(schema), "response_format.json_schema.schema")
-    raise UnsupportedFieldError("response_format", "response_format: type must be text, json_object or "
-                                "json_schema (with only the fields OpenAI defines)")
-
-
-class PredictionContent(_Strict):
+class PredictionContent(StrictModel):
     """OpenAI's Predicted Outputs: text the completion is expected to (mostly) repeat."""
 
     type: Literal["content"]
@@ -250,27 +168,6 @@ class PredictionContent(_Strict):
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class FunctionDef(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments
-    strict: bool | None = None
-
-
-class ToolDef(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -319,7 +216,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def _grammar_specs(self) -> list[GrammarSpec | None]:
-        return [_response_format_spec(self.response_format), *super()._grammar_specs()]
+        return [response_format_spec(self.response_format), *super()._grammar_specs()]
 
     def _check_tools(self) -> None:
         for i, m in enumerate(self.messages):
