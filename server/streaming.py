@@ -87,9 +87,8 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
 
     async def chunks():
         chunk = _chunk_maker(ctx, rid, "chat.completion.chunk")
-        for i in range(len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+        for first in _role_chunks(chunk, len(streams)):
+            yield first
         async for i, out in _deltas(streams, finals, ctx.request_timeout):
             delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             yield chunk([{"index": i, "delta": delta, "logprobs": chat_logprobs(ctx.tokenizer, out.delta_logprobs),
@@ -100,14 +99,19 @@ def chat_stream(ctx: ServingContext, rid: str, streams, num_prompt_tokens: int, 
     return sse_response(_guarded(_reported(chunks(), finals, on_end)))
 
 
+def _role_chunks(chunk, n: int) -> list[dict]:
+    """A chat stream's first chunk of each choice: the role."""
+    return [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}]) for i in range(n)]
+
+
 def _chat_stream_with_tools(ctx, rid, streams, num_prompt_tokens, include_usage, on_end, tools):
     finals: dict[int, RequestOutput] = {}
 
     async def chunks():
         chunk = _chunk_maker(ctx, rid, "chat.completion.chunk")
-        for i in range(len(streams)):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+        for first in _role_chunks(chunk, len(streams)):
+            yield first
         async for i, out in _deltas(streams, finals, ctx.request_timeout):
             if not out.finished:
                 continue

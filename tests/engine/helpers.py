@@ -21,22 +21,25 @@ def run(core: EngineCore, prompts, params: SamplingParams | list[SamplingParams]
         join_from: int | None = None) -> list[RequestOutput]:
     """Run prompts to completion; with join_after, prompts[join_from:] arrive after `join_after` steps."""
     params = params if isinstance(params, list) else [params] * len(prompts)
-    reqs = [core.make_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-    split = len(reqs) if join_after is None else (join_from if join_from is not None else len(reqs) // 2)
-    for r in reqs[:split]:
-        core.add_request(r)
+    split = len(prompts) if join_after is None else (join_from if join_from is not None else len(prompts) // 2)
+    return drive(core, [(0 if i < split else join_after, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))])
+
+
+def drive(core: EngineCore, arrivals: list[tuple[int, object, SamplingParams]]) -> list[RequestOutput]:
+    """arrivals: (step at which it joins, prompt, params) -> final outputs in arrival order (ids r0, r1, ...)."""
+    reqs = [(at, core.make_request(f"r{i}", p, sp)) for i, (at, p, sp) in enumerate(arrivals)]
     final: dict[str, RequestOutput] = {}
-    steps = 0
+    step = 0
     while len(final) < len(reqs):
-        if steps == join_after:
-            for r in reqs[split:]:
+        for at, r in reqs:
+            if at == step:
                 core.add_request(r)
         for out in core.step():
             if out.finished:
                 final[out.request_id] = out
-        steps += 1
-        assert steps < 10_000
-    return [final[r.request_id] for r in reqs]
+        step += 1
+        assert step < 10_000
+    return [final[r.request_id] for _, r in reqs]
 
 
 def bundled_method_outputs(method: str, k: int, max_tokens: int = 32) -> list[RequestOutput]:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.sampling_params import SamplingParams
-from tests.engine.helpers import make_core, run
+from tests.engine.helpers import drive, make_core, run
 from tests.engine.test_dflash import fresh_context_kv, save_random
 
 SYSTEM = ("You are a careful assistant. Answer briefly, cite the document when you can, and never invent facts. "
@@ -17,22 +17,6 @@ QUESTIONS = ["What is drafted?", "Who verifies?", "How many forwards?", "Is it e
              "What follows?"]
 PROMPTS = [SYSTEM + q for q in QUESTIONS]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-
-
-def drive(core, arrivals: list[tuple[int, str, SamplingParams]]) -> list:
-    """arrivals: (step at which it joins, prompt, params) -> final outputs in arrival order."""
-    reqs = [(at, core.make_request(f"r{i}", p, sp)) for i, (at, p, sp) in enumerate(arrivals)]
-    final, step = {}, 0
-    while len(final) < len(reqs):
-        for at, r in reqs:
-            if at == step:
-                core.add_request(r)
-        for out in core.step():
-            if out.finished:
-                final[out.request_id] = out
-        step += 1
-        assert step < 10_000
-    return [final[r.request_id] for _, r in reqs]
 
 
 def assert_pool_whole(core):
