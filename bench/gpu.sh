@@ -50,7 +50,7 @@ if [ "$DEVICE" != cpu ] && "$PYTHON" -c "import pytest" 2>/dev/null; then
 fi
 
 # the pairs: name, target, draft, extra spec_decode flags
-DEMO_GGUF=$("$PYTHON" -c "from engine.loader import demo_target_gguf as f; print(f() or '')")
+DEMO_GGUF=$("$PYTHON" -c "from specserve.engine.model.loader import demo_target_gguf as f; print(f() or '')")
 if [ -n "$DEMO_GGUF" ]; then
   PAIRS=("smollm2|$DEMO_GGUF|models/smollm2-draft|--chat")
 else

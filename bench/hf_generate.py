@@ -51,8 +51,8 @@ def run(model_dir: str, assistant_dir: str | None, max_tokens: int, requests: in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.loader import resolve_dtype
-    from engine.train.chat_prompts import heldout_prompts
+    from bench.prompts import heldout_prompts
+    from specserve.engine.model.loader import resolve_dtype
 
     dt = resolve_dtype(dtype, torch.device("cpu"))
     tok = AutoTokenizer.from_pretrained(model_dir)

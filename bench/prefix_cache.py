@@ -22,9 +22,10 @@ import time
 import torch
 
 from bench.output import emit
+from bench.prompts import heldout_prompts
 from bench.spec_decode import machine_info
-from engine import LLM, SamplingParams
-from engine.train.chat_prompts import TOPICS, heldout_prompts
+from specserve.engine import LLM, SamplingParams
+from specserve.train.prompts import TOPICS  # distinct prompts built from the training topics
 
 QUESTIONS = ["Which topic in the notes is about space?", "Name two topics about music.", "What is listed about food?",
              "Which notes talk about the body?", "Pick one topic about computers and explain it.",

@@ -97,7 +97,7 @@ class ServerProcess:
         self.port = args.port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         extra = shlex.split(args.extra_args)
-        self.cmd = [sys.executable, "-m", "server.cli", "serve", "--host", HOST, "--port", str(self.port)]
+        self.cmd = [sys.executable, "-m", "specserve", "serve", "--host", HOST, "--port", str(self.port)]
         if args.model:
             self.cmd += ["--model", args.model]
         if args.draft_model:

@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from bench.output import emit
-from engine import LLM, SamplingParams
-from engine.attention import SeqChunk
+from specserve.engine import LLM, SamplingParams
+from specserve.engine.model.attention import SeqChunk
 
 BUILTIN_PROMPTS = [
     "def fibonacci(n):\n",
@@ -80,9 +80,9 @@ def load_prompts(args) -> tuple[list[str], str]:
             raise SystemExit(f"--prompts-file: {args.prompts_file} must hold non-empty strings")
         return prompts[: args.num_prompts], f"file:{args.prompts_file}"
     if args.model is None:  # the demo target is a chat model: questions none of the draft's training used
-        from engine.train.chat_prompts import heldout_prompts
+        from bench.prompts import heldout_prompts
         chat = heldout_prompts()
-        return [chat[i % len(chat)] for i in range(args.num_prompts)], "engine.train.chat_prompts.heldout_prompts"
+        return [chat[i % len(chat)] for i in range(args.num_prompts)], "bench.prompts.heldout_prompts"
     held = _heldout_prompts(args)
     if held:
         return held
@@ -90,14 +90,14 @@ def load_prompts(args) -> tuple[list[str], str]:
 
 
 def _heldout_prompts(args) -> tuple[list[str], str] | None:
-    """Held-out corpus prompts when the target was trained by engine.train (its train_summary.json names the
+    """Held-out corpus prompts when the target was trained by specserve.train (its train_summary.json names the
     corpus); None otherwise, or when that corpus is not on this machine."""
     target_dir = Path(args.model)
     summary = target_dir / "train_summary.json"
     if not summary.is_file():
         return None
     try:
-        from engine.train.corpus import heldout_prompts, load_corpus, stdlib_root
+        from specserve.train.corpus import heldout_prompts, load_corpus, stdlib_root
         root = json.loads(summary.read_text()).get("corpus")
         # train_target(corpus=None) walks the stdlib's .py files; a path walks all text files: keep the same split
         corpus = load_corpus(None if root in (None, str(stdlib_root())) else root)

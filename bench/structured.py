@@ -20,13 +20,13 @@ import uuid
 
 import torch
 
-import engine.core
-import engine.proposers.draft_model
+import specserve.engine.core
+import specserve.engine.spec_decode.draft_model
 from bench.output import emit
+from bench.prompts import heldout_prompts
 from bench.spec_decode import machine_info
-from engine import LLM, SamplingParams
-from engine.grammar import GrammarSpec
-from engine.train.chat_prompts import heldout_prompts
+from specserve.engine import LLM, SamplingParams
+from specserve.engine.sample.grammar import GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {
     "topic": {"type": "string", "maxLength": 40}, "summary": {"type": "string", "maxLength": 80},
@@ -50,8 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 class GrammarClock:
     """Wraps the engine's grammar entry points with a timer (the bench's own engine only; restored on exit)."""
 
-    TARGETS = [(engine.core, "verify_bitmasks"), (engine.core, "apply_bitmask"), (engine.core, "advance_grammar"),
-               (engine.proposers.draft_model.DraftModelProposer, "_constrained")]
+    TARGETS = [(specserve.engine.core, "verify_bitmasks"), (specserve.engine.core, "apply_bitmask"),
+               (specserve.engine.core, "advance_grammar"),
+               (specserve.engine.spec_decode.draft_model.DraftModelProposer, "_constrained")]
 
     def __init__(self):
         self.seconds = 0.0

@@ -1,5 +1,5 @@
 """One typed configuration tree, built once and passed down."""
 
-from config.schema import AppConfig, EngineConfig, ServerConfig
+from specserve.config.schema import AppConfig, EngineConfig, ServerConfig
 
 __all__ = ["AppConfig", "EngineConfig", "ServerConfig"]

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from config.schema import AppConfig, EngineConfig, ServerConfig, parse_k
-from engine.proposers.registry import ALIASES, NONE, proposer_names
+from specserve.config.schema import AppConfig, EngineConfig, ServerConfig, parse_k
 
 ENV_PREFIX = "SPECSERVE_"
 ENV_CONFIG = "SPECSERVE_CONFIG"
@@ -22,8 +21,9 @@ SECTIONS = (EngineConfig, ServerConfig)
 # variables Kubernetes injects for a Service named "specserve" (SPECSERVE_SERVICE_HOST, SPECSERVE_PORT_8000_TCP, ...)
 _K8S_SERVICE_LINKS = (ENV_PREFIX + "SERVICE_", ENV_PREFIX + "PORT_")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-METHODS = (*proposer_names(), *ALIASES, NONE)  # the engine's registry (a light module: no torch)
-CHOICES = {"speculative_method": METHODS, "log_level": LOG_LEVELS, "log_format": ("text", "json"),
+# speculative_method: its names live in the engine's registry, which checks them (the CLI passes them as choices)
+NAMES = frozenset({"speculative_method"})
+CHOICES = {"log_level": LOG_LEVELS, "log_format": ("text", "json"),
            "tool_call_parser": ("hermes", "llama3_json")}
 
 # field -> (meaning, what a None default means; None where the default is a plain value)
@@ -33,7 +33,7 @@ HELP: dict[str, tuple[str, str | None]] = {
     "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf); for dflash, the drafter's "
                     "directory", "the bundled demo draft (or demo drafter) when --model is unset"),
     "speculative_method": ("speculation method: draft | ngram | medusa | dflash | none "
-                           "(engine/proposers/registry.py)",
+                           "(engine/spec_decode/registry.py)",
                            "draft when a draft model exists, else none"),
     "num_speculative_tokens": ("k, tokens proposed and verified per step: auto (adapts per request and step to "
                                "what pays, within [0, --max-speculative-tokens]), an integer (fixed), 0 (off)", None),
@@ -127,6 +127,8 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
     base = next((a for a in args if a is not type(None)), annotation) if optional else annotation
     if isinstance(value, str):
         text = value.strip()
+        if name in NAMES:  # a name; "none" is a value here (speculation off), not a missing one
+            return text.lower()
         if optional and text.lower() in ("", "none", "null") and text.lower() not in CHOICES.get(name, ()):
             return None
         if name in CHOICES:
@@ -163,8 +165,11 @@ def _cli_type(name: str, annotation: Any):
     return convert
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field (default SUPPRESS, so absent flags leave the namespace untouched) + --config."""
+def add_config_flags(parser: argparse.ArgumentParser, choices: Mapping[str, tuple[str, ...]] | None = None) -> None:
+    """One flag per config field (default SUPPRESS, so absent flags leave the namespace untouched) + --config.
+    `choices`: more fields with a closed set of values, known to the caller (the server passes the engine's
+    speculation methods; the config itself imports nothing from the engine)."""
+    choices = {**CHOICES, **(choices or {})}
     parser.add_argument("--config", metavar="PATH", default=argparse.SUPPRESS,
                         help=f"YAML file with a flat mapping of these settings (env {ENV_CONFIG})")
     for name, (_, annotation, default) in _fields().items():
@@ -176,8 +181,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         if annotation is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
-        if name in CHOICES:
-            kw.update(choices=CHOICES[name], type=str.lower)
+        if name in choices:
+            kw.update(choices=choices[name], type=str.lower)
         else:
             kw["type"] = _cli_type(name, annotation)
             base = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
-AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/adaptive.py)
+AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/spec_decode/adaptive.py)
 
 
 def parse_k(value, field: str = "num_speculative_tokens", minimum: int = 0) -> int | str:
@@ -148,10 +148,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name}: {msg}")
         check_medusa_fields(self)
-        from engine.proposers.registry import check_methods  # a light module: names only, no torch
-
         object.__setattr__(self, "num_speculative_tokens", parse_k(self.num_speculative_tokens))
-        check_methods(self)  # parses the JSON once, here; unknown or repeated methods
+        # the methods, parsed once here; their names are checked where the registry lives
+        # (specserve.engine.spec_decode.registry.check_methods: the server's CLI before listening, the engine at load)
+        object.__setattr__(self, "_speculative_methods", self._parse_methods())
         for m in self.speculative_methods:
             if m.method in ("draft", "draft_model") and m.model is None and self.model is not None:
                 raise ValueError("draft_model: speculative method 'draft' needs a draft model")
@@ -164,6 +164,9 @@ class EngineConfig:
     def speculative_methods(self) -> tuple[SpeculativeMethodConfig, ...]:
         """The methods to load, the default first: from `speculative_config`, else from the flat fields. A draft
         method without a model on the demo target means the bundled demo draft (the engine resolves it)."""
+        return self._speculative_methods
+
+    def _parse_methods(self) -> tuple[SpeculativeMethodConfig, ...]:
         if self.speculative_config:
             return parse_speculative_config(self.speculative_config, self.max_speculative_tokens)
         if self.num_speculative_tokens == 0:

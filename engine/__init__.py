@@ -1,14 +1,15 @@
 """specserve's inference engine: continuous batching with lossless speculative decoding (no web stack here).
 
-The public names load lazily, so that light modules (engine.proposers.registry, read by the config) can be
+The public names load lazily, so that light modules (specserve.engine.spec_decode.registry, read by the config) can be
 imported without torch and transformers."""
 
 import importlib
 
 _PUBLIC = {
-    "LLM": "engine.llm", "SamplingParams": "engine.sampling_params", "RequestOutput": "engine.request",
-    "SpeculationStats": "engine.request", "InvalidRequestError": "engine.errors", "QueueFullError": "engine.errors",
-    "RequestTooLongError": "engine.errors", "EngineDeadError": "engine.errors",
+    "LLM": "specserve.engine.llm", "SamplingParams": "specserve.engine.sampling_params",
+    "RequestOutput": "specserve.engine.request", "SpeculationStats": "specserve.engine.request",
+    "InvalidRequestError": "specserve.engine.errors", "QueueFullError": "specserve.engine.errors",
+    "RequestTooLongError": "specserve.engine.errors", "EngineDeadError": "specserve.engine.errors",
 }
 __all__ = list(_PUBLIC)
 

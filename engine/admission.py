@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import InvalidRequestError, RequestTooLongError
-from engine.prefix_hash import root_hash
-from engine.proposers.prediction import DEFAULT_K as PREDICTION_K
-from engine.proposers.prediction import MAX_K as PREDICTION_MAX_K
-from engine.proposers.registry import NONE, canonical
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import requested_k
-from engine.tokens import encode_prompt, encode_rendered
+from specserve.engine.errors import InvalidRequestError, RequestTooLongError
+from specserve.engine.request import Request
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.sched.prefix_hash import root_hash
+from specserve.engine.sched.scheduler import requested_k
+from specserve.engine.spec_decode.prediction import DEFAULT_K as PREDICTION_K
+from specserve.engine.spec_decode.prediction import MAX_K as PREDICTION_MAX_K
+from specserve.engine.spec_decode.registry import NONE, canonical
+from specserve.engine.tokens import encode_prompt, encode_rendered
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class RequestBuilder:
     eos_token_ids: frozenset
     device: torch.device
     cache_namespace: str = ""  # what a cached KV block's content depends on besides its tokens (model, dtype)
-    grammars: object = None  # engine.grammar.GrammarCompiler (its cache is the one mutable part: thread-safe enough
+    grammars: object = None  # sample.grammar.GrammarCompiler (its cache is the one mutable part: thread-safe enough
     # under the GIL, dict operations only); None: structured output unavailable
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -82,7 +82,7 @@ class RequestBuilder:
         label = "prediction" if prediction and k else method if k else NONE
         return Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                        set(self.eos_token_ids), max_tokens, label, self.device, num_speculative_tokens=k,
-                       prediction_token_ids=prediction, fallback_method=method, adaptive=adaptive,
+                       prediction_token_ids=prediction, method=method, adaptive=adaptive,
                        cache_root=root_hash(self.cache_namespace, params.cache_salt), grammar=grammar)
 
     def _grammar(self, params: SamplingParams):

@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator, Callable
 from copy import deepcopy
 from dataclasses import replace
 
-from config.schema import EngineConfig
-from engine.client import EngineHealth, EngineSnapshot
-from engine.core import EngineCore
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineTotals, StepStats
-from engine.tokens import encode_prompt, encode_rendered
+from specserve.config.schema import EngineConfig
+from specserve.engine.client import EngineHealth, EngineSnapshot
+from specserve.engine.core import EngineCore
+from specserve.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from specserve.engine.request import RequestOutput
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.stats import EngineTotals, StepStats
+from specserve.engine.tokens import encode_prompt, encode_rendered
 
 StepCallback = Callable[[StepStats, list[RequestOutput]], None]
 

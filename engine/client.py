@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineTotals, StepStats
+from specserve.engine.request import RequestOutput
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.stats import EngineTotals, StepStats
 
 
 @dataclass(frozen=True)

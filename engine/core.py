@@ -1,12 +1,12 @@
 """EngineCore: the synchronous step loop over the target, the loaded proposers and the KV cache.
 
-`step()`: adaptive requests get this step's k (engine/adaptive.py); the scheduler hands each running request a
-token budget (a prefill chunk, or its last token + up to k proposed tokens); each request's proposer proposes at
-most that many (possibly none; a chain or a tree); ONE target forward runs over the whole ragged batch (prefill
-chunks and 1 + proposed verify positions alike); `verify()` applies the chain rejection rule or the tree rule;
-then tokens are appended, rejected positions rolled back (O(1): computed lengths only; an accepted tree path's K/V
-moved into place), the proposers told what was accepted (and given target hidden states where they asked), and
-finished requests' blocks freed.
+`step()`: adaptive requests get this step's k (engine/spec_decode/adaptive.py); the scheduler hands each running request
+a token budget (a prefill chunk, or its last token + up to k proposed tokens); each request's proposer proposes at most
+that many (possibly none; a chain or a tree); ONE target forward runs over the whole ragged batch (prefill chunks and
+1 + proposed verify positions alike); `verify()` applies the chain rejection rule or the tree rule; then tokens are
+appended, rejected positions rolled back (O(1): computed lengths only; an accepted tree path's K/V moved into place),
+the proposers told what was accepted (and given target hidden states where they asked), and finished requests' blocks
+freed.
 """
 
 from __future__ import annotations
@@ -19,27 +19,36 @@ from pathlib import Path
 
 import torch
 
-from config.schema import EngineConfig
-from engine.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMedian, Row, plan
-from engine.admission import RequestBuilder
-from engine.attention import PATTERN_ATTR, SeqChunk
-from engine.block_allocator import BlockAllocator
-from engine.errors import InvalidRequestError
-from engine.grammar import advance_grammar, apply_bitmask, biased, grammar_compiler, verify_bitmasks
-from engine.kv_cache import KVPool, kv_bytes_per_token
-from engine.loader import (check_model_path, default_kv_cache_memory, demo_model_paths, load_model, load_tokenizer,
-                           resolve_chat_template, resolve_device, resolve_dtype)
-from engine.model_runner import ModelRunner
-from engine.proposal_batch import ProposalRouter, RowProposal, draft_batch
-from engine.proposers.base import ProposerContext
-from engine.proposers.prediction import PredictionProposer, prediction_usage
-from engine.proposers.registry import NONE, check_methods, proposer_class
-from engine.request import Request, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
-from engine.stats import EngineTotals, StepStats
-from engine.step_results import count_speculation, hidden_chunks, path_moves, verified_rows
-from engine.verifier import verify
+from specserve.config.schema import EngineConfig
+from specserve.engine.admission import RequestBuilder
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.model.attention import PATTERN_ATTR, SeqChunk
+from specserve.engine.model.loader import (
+    check_model_path,
+    default_kv_cache_memory,
+    demo_model_paths,
+    load_model,
+    load_tokenizer,
+    resolve_chat_template,
+    resolve_device,
+    resolve_dtype,
+)
+from specserve.engine.model.runner import ModelRunner
+from specserve.engine.request import Request, RequestOutput, TokenLogprob
+from specserve.engine.sample.grammar import advance_grammar, apply_bitmask, biased, grammar_compiler, verify_bitmasks
+from specserve.engine.sample.verifier import verify
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.sched.block_allocator import BlockAllocator
+from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token
+from specserve.engine.sched.scheduler import ScheduledSeq, Scheduler
+from specserve.engine.spec_decode.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, Row, plan
+from specserve.engine.spec_decode.base import ProposerContext
+from specserve.engine.spec_decode.layout import RowLayout
+from specserve.engine.spec_decode.prediction import PredictionProposer, prediction_usage
+from specserve.engine.spec_decode.registry import NONE, check_methods, proposer_class
+from specserve.engine.spec_decode.router import ProposalRouter, RowProposal, draft_batch
+from specserve.engine.spec_decode.step_results import count_speculation, path_moves
+from specserve.engine.stats import EngineTotals, StepStats
 
 log = logging.getLogger("specserve.engine")
 
@@ -62,36 +71,35 @@ class EngineCore:
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
                               self.dtype, remote, tree_attention, target.get_output_embeddings().weight,
                               target.get_input_embeddings())
-        self.proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
-        self.default_method = next(iter(self.proposers), NONE)
-        self.router = ProposalRouter(self.proposers, PredictionProposer(self.device), tree_attention)
+        proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
+        self.default_method = next(iter(proposers), NONE)
+        self.router = ProposalRouter(proposers, PredictionProposer(self.device), tree_attention)
         limits = [config.max_model_len, target.config.max_position_embeddings,
-                  *(p.max_model_len for p in self.proposers.values())]
+                  *(p.max_model_len for p in proposers.values())]
         self.max_model_len = min(x for x in limits if x)
         per_token = kv_bytes_per_token(target.config, self.dtype)
-        per_token += sum(p.kv_bytes_per_token() for p in self.proposers.values())
+        per_token += sum(p.kv_bytes_per_token() for p in proposers.values())
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
         num_blocks = budget // (per_token * config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no block of {config.block_size} tokens")
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
-        hidden_layers = tuple(sorted({i for p in self.proposers.values() for i in p.needs.hidden_layers}))
+        hidden_layers = tuple(sorted({i for p in proposers.values() for i in p.needs.hidden_layers}))
         self.target = ModelRunner(target, KVPool.allocate(target.config, num_blocks, config.block_size, self.dtype,
                                                           self.device), self.device, self.vocab_size,
                                   hidden_layers=hidden_layers)
-        for p in self.proposers.values():
+        for p in proposers.values():
             p.bind_kv(num_blocks, config.block_size)
-        self.num_speculative_tokens = max([p.num_speculative_tokens for p in self.proposers.values()], default=0)
-        # proposers keeping KV per position, which prefix caching shares and validates with the target's
-        self.kv_proposers = {n: p for n, p in self.proposers.items() if p.needs.prefix_kv != "none"}
+        self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, {n: p.needs.prefix_kv for n, p in self.kv_proposers.items()})
+                                   self.max_model_len,
+                                   {n: p.needs.prefix_kv for n, p in self.router.kv_proposers.items()})
         seed = config.seed if config.seed is not None else random.randrange(1 << 62)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos_token_ids = self._eos_ids(target)
         self.grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
-                                      {n: p.num_speculative_tokens for n, p in self.proposers.items()}, adaptive,
+                                      {n: p.num_speculative_tokens for n, p in proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
                                       frozenset(self.eos_token_ids), self.device,
                                       f"{Path(self.model_path).resolve()}|{self.dtype}|{config.trust_remote_code}",
@@ -99,13 +107,11 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
-        # adaptive k: measured costs and tracked acceptance (engine/adaptive.py)
+        # adaptive k: measured costs (the target's here, the proposers' in the router) and tracked acceptance
         self.forward_cost = LinearCost()
-        self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position or per step (recent median)
-        self.per_step_cost = frozenset(n for n, p in self.proposers.items() if p.needs.cost_per_step)
-        self.draft_timings: dict[str, RecentMedian] = {}
+        self.per_step_cost = frozenset(n for n, p in proposers.items() if p.needs.cost_per_step)
         self.tracker = AcceptanceTracker(self.num_speculative_tokens,
-                                         frozenset(n for n, p in self.proposers.items() if p.needs.tree))
+                                         frozenset(n for n, p in proposers.items() if p.needs.tree))
 
     @staticmethod
     def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:
@@ -114,7 +120,7 @@ class EngineCore:
         proposers, adaptive = {}, set()
         for m in config.speculative_methods:
             cls = proposer_class(m.method)
-            if cls.needs.draft_model and m.model is None:
+            if cls.uses_draft_model and m.model is None:
                 if demo_draft is None:
                     raise ValueError(f"draft_model: speculative method {cls.name!r} needs a draft model")
                 m = dataclasses.replace(m, model=str(demo_draft))  # the demo target's bundled draft
@@ -124,13 +130,14 @@ class EngineCore:
         return proposers, frozenset(adaptive)
 
     @property
+    def proposers(self) -> dict:
+        """name -> loaded method, the default first (read-only use: the step reaches them through the router)."""
+        return self.router.proposers
+
+    @property
     def proposer(self):
         """The default method's proposer (None without speculation)."""
         return self.proposers.get(self.default_method)
-
-    @property
-    def method(self) -> str:
-        return self.default_method
 
     @staticmethod
     def _model_paths(config: EngineConfig) -> tuple[Path | str, Path | str | None]:
@@ -178,72 +185,45 @@ class EngineCore:
     # -- the step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> propose -> one target forward -> verify -> update (the story; each part below)."""
+        """schedule -> propose -> forward -> verify -> update, each a call into the part that owns it; stats are
+        collected beside."""
         t0 = time.perf_counter()
         self._plan_adaptive()
         sched = self.scheduler.schedule()
-        for req in sched.preempted:
-            for p in self.router.all():
-                p.on_preempt(req)
-        self._apply_cache_hits(sched)
+        self._apply_preemptions_and_cache_hits(sched)
         stats = StepStats(num_preempted=len(sched.preempted), prefix_cache_queries=sched.prefix_queries,
                           prefix_cache_hits=sched.prefix_hits)
         seqs = sched.seqs
         if seqs:
-            t_draft = time.perf_counter()
+            t_propose = time.perf_counter()
             seqs, proposals = self._propose(seqs)
-            t_verify = time.perf_counter()
-            stats.draft_seconds = t_verify - t_draft
-            for name, (seconds, positions) in self.router.last_costs.items():
-                self.draft_costs[name] = self.draft_timings.setdefault(name, RecentMedian()).add(
-                    seconds / max(positions, 1))
-            roots = [s.request.num_computed_tokens for s in seqs]  # position of each sequence's first new token
-            logits, hidden, hidden_rows = self._target_forward(seqs, proposals)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the verify reads the logits right after anyway
-            self.forward_cost.observe(sum(s.num_new_tokens for s in seqs), time.perf_counter() - t_verify)
-            for s in seqs:
-                s.request.num_computed_tokens += s.num_new_tokens
-                stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0
-            paths = self._verify_and_update(seqs, proposals, roots, logits, stats)
-            if hidden:
-                for name, (reqs, chunks) in hidden_chunks(seqs, roots, paths, hidden, hidden_rows,
-                                                          self._hidden_owner, self.device).items():
-                    self.proposers[name].on_hidden(reqs, chunks)
-            for name, (reqs, rows) in verified_rows(seqs, proposals, paths).items():
-                self.router.by_name(name).on_verified(reqs, rows)
-            for s in seqs:
-                if s.request.finish_reason != "error":  # a failed request's last K/V may be what failed: keep it out
-                    p = self.kv_proposers.get(s.request.fallback_method)
-                    self.scheduler.publish(s.request, None if p is None else p.kv_valid_tokens(s.request))
-                if s.request.finished:
-                    self._free(s.request)
-            stats.verify_seconds = time.perf_counter() - t_verify
-        outputs = [s.request.make_output() for s in seqs if s.samples or s.request.finished]
-        for out in outputs:
-            if out.finished:
-                self.requests.pop(out.request_id, None)
-        stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-        stats.kv_cache_usage = self.allocator.usage
-        stats.step_seconds = time.perf_counter() - t0
-        self.totals.add(stats)
-        self.last_step = stats
-        return outputs
+            layout = RowLayout.build(seqs)
+            t_forward = time.perf_counter()
+            stats.draft_seconds = t_forward - t_propose
+            logits, hidden, hidden_rows = self._target_forward(seqs, proposals, layout)
+            self._advance_computed(seqs, stats, t_forward)
+            paths = self._verify_and_update(seqs, proposals, layout, logits, stats)
+            self.router.after_step(seqs, proposals, layout, paths, hidden, hidden_rows)
+            self._publish_and_free(seqs)
+            stats.verify_seconds = time.perf_counter() - t_forward
+        return self._step_outputs(seqs, stats, t0)
 
-    def _apply_cache_hits(self, sched) -> None:
-        """Before anything computes: private copies of shared blocks (in every pool), and each hit request's
-        proposer told how much of its own KV the shared blocks hold (it catches up from there)."""
+    def _apply_preemptions_and_cache_hits(self, sched) -> None:
+        """Before anything computes: proposers told of preempted requests; private copies of shared blocks (in
+        every pool); each hit request's proposer told how much of its own KV the shared blocks hold (it catches up
+        from there)."""
+        for req in sched.preempted:
+            self.router.preempt(req)
         if sched.copies:
             src, dst = [c[0] for c in sched.copies], [c[1] for c in sched.copies]
             self.target.kv.copy_blocks(src, dst)
-            for p in self.kv_proposers.values():
-                p.copy_blocks(src, dst)
+            self.router.copy_blocks(src, dst)
         for hit in sched.cache_hits:
-            self.kv_proposers[hit.request.fallback_method].on_cache_hit(hit.request, hit.proposer_tokens)
+            self.router.cache_hit(hit.request, hit.proposer_tokens)
 
     def _plan_adaptive(self) -> None:
         """This step's k of every decoding adaptive request: the choice that maximises the batch's expected emitted
-        tokens per second under the measured costs (engine/adaptive.py). Others keep their fixed k."""
+        tokens per second under the measured costs (engine/spec_decode/adaptive.py). Others keep their fixed k."""
         running = self.scheduler.running
         decoding = [r for r in running if r.num_computed_tokens == len(r.token_ids) - 1 and r.num_computed_tokens]
         auto = [r for r in decoding if r.adaptive]
@@ -251,9 +231,9 @@ class EngineCore:
             return
         pending = sum(len(r.token_ids) - r.num_computed_tokens for r in running) - len(decoding)
         base_tokens = min(len(decoding) + pending, self.config.max_num_batched_tokens)
-        rows = [Row(self.tracker.survival(r.request_id, r.fallback_method), r.num_speculative_tokens,
-                    r.fallback_method, self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
-        ks = plan(rows, base_tokens, len(decoding), self.forward_cost, self.draft_costs, self.per_step_cost)
+        rows = [Row(self.tracker.survival(r.request_id, r.method), r.num_speculative_tokens,
+                    r.method, self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
+        ks = plan(rows, base_tokens, len(decoding), self.forward_cost, self.router.draft_costs, self.per_step_cost)
         for r, k in zip(auto, ks):
             r.planned_k = k
             if k == 0:
@@ -262,7 +242,7 @@ class EngineCore:
     def _propose(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[RowProposal | None]]:
         """Proposals for the rows the scheduler gave a speculative budget; each such row then computes 1 + what was
         proposed (the scheduler reserved 1 + k). -> (seqs trimmed to their proposals, proposal per seq)."""
-        spec = [i for i, s in enumerate(seqs) if s.samples and s.num_draft_tokens > 0]
+        spec = [i for i, s in enumerate(seqs) if s.emits and s.num_draft_tokens > 0]
         proposals: list[RowProposal | None] = [None] * len(seqs)
         if not spec:
             return seqs, proposals
@@ -275,10 +255,11 @@ class EngineCore:
             proposals[i] = row
         return seqs, proposals
 
-    def _target_forward(self, seqs: list[ScheduledSeq], proposals: list[RowProposal | None]):
+    def _target_forward(self, seqs: list[ScheduledSeq], proposals: list[RowProposal | None], layout: RowLayout):
         """ONE forward over every sequence's new tokens (prefill chunks; last token + proposed nodes).
-        -> (logits [N, V] at the sampling rows, hidden states if a proposer asked, the rows they were taken at)."""
-        ids, chunks, rows = [], [], []
+        -> (logits [N, V] at the layout's logit rows, hidden states if a proposer asked, the rows they were taken
+        at: None = every token row)."""
+        ids, chunks = [], []
         for s, prop in zip(seqs, proposals):
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
@@ -286,70 +267,98 @@ class EngineCore:
                 ids.extend([req.token_ids[-1], *prop.tokens])
             else:
                 ids.extend(req.token_ids[start:start + n])
-            if s.samples:
-                rows.extend(range(len(ids) - s.num_draft_tokens - 1, len(ids)))
             parents = tuple(prop.parents) if prop is not None and prop.is_tree else None
             chunks.append(SeqChunk(req.block_ids, start, n, parents))
         input_ids = torch.tensor(ids, dtype=torch.long)
-        logits_rows = torch.tensor(rows, dtype=torch.long)
-        want = [s for s in seqs if self._hidden_owner(s.request) is not None]
-        if not want:
+        logits_rows = torch.tensor(layout.logit_rows, dtype=torch.long)
+        readers = [self.router.hidden_reader(s.request) for s in seqs]
+        if not any(readers):
             logits, _ = self.target.run(input_ids, chunks, logits_rows)
             return logits, {}, None
-        every = any(self._hidden_owner(s.request).needs.hidden_rows == "all" for s in want)
+        every = any(r is not None and r.needs.hidden_rows == "all" for r in readers)
         hidden_rows = None if every else logits_rows  # None: every token row
         logits, hidden = self.target.run(input_ids, chunks, logits_rows, hidden_rows, capture=True)
         return logits, hidden, hidden_rows
 
-    def _hidden_owner(self, req: Request):
-        """The proposer that reads this request's target hidden states, if any."""
-        p = self.proposers.get(req.fallback_method)
-        return p if p is not None and p.needs.hidden_layers else None
+    def _advance_computed(self, seqs: list[ScheduledSeq], stats: StepStats, t_forward: float) -> None:
+        """The forward's K/V are in the cache: computed lengths advance (verification rolls rejects back), and the
+        forward's cost is observed for the adaptive planner."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the verify reads the logits right after anyway
+        self.forward_cost.observe(sum(s.num_new_tokens for s in seqs), time.perf_counter() - t_forward)
+        for s in seqs:
+            s.request.num_computed_tokens += s.num_new_tokens
+            stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0
 
-    def _verify_and_update(self, seqs, proposals, roots, logits, stats: StepStats) -> dict[int, list[int]]:
-        """Verify every sampling sequence, append what it emitted, roll back rejected positions (and move an
+    def _verify_and_update(self, seqs, proposals, layout: RowLayout, logits, stats: StepStats) -> dict[int, list[int]]:
+        """Verify every emitting sequence, append what it emitted, roll back rejected positions (and move an
         accepted tree path's K/V into place). -> seq index -> its emitted rows' nodes (0 = the last token)."""
-        sampling = [i for i, s in enumerate(seqs) if s.samples]
-        if not sampling:
+        if not layout.emitting:
             return {}
-        ks = [seqs[i].num_draft_tokens for i in sampling]
-        drafts = draft_batch([proposals[i] for i in sampling], self.vocab_size, self.device)
-        reqs = [seqs[i].request for i in sampling]
-        if any(r.params.logit_bias for r in reqs):  # row j of request b is row offset_b + j: k + 1 rows each
-            logits = biased(logits, [r.params.logit_bias for r, k in zip(reqs, ks) for _ in range(k + 1)])
+        reqs = [seqs[i].request for i in layout.emitting]
+        props = [proposals[i] for i in layout.emitting]
+        if any(r.params.logit_bias for r in reqs):
+            logits = biased(logits, layout.per_row([r.params.logit_bias for r in reqs]))
         if any(r.grammar is not None for r in reqs):
-            logits = apply_bitmask(logits, verify_bitmasks(reqs, [proposals[i] for i in sampling], self.vocab_size))
-        res = verify(logits, [seqs[i].request for i in sampling], ks, drafts, self.generator)
-        stats.num_accepted_tokens_per_pos = [0] * max(ks)
+            logits = apply_bitmask(logits, verify_bitmasks(reqs, props, layout, self.vocab_size))
+        res = verify(logits, reqs, layout.ks, layout.logit_offsets, draft_batch(props, self.vocab_size, self.device),
+                     self.generator)
+        stats.num_accepted_tokens_per_pos = [0] * max(layout.ks)
         moves: tuple[list[int], list[int]] = ([], [])
-        for b, i in enumerate(sampling):
-            req, k, m = seqs[i].request, ks[b], res.num_accepted[b]
+        for b, (req, prop) in enumerate(zip(reqs, props)):
+            k, m = layout.ks[b], res.num_accepted[b]
             req.speculation.steps_by_k[k] = req.speculation.steps_by_k.get(k, 0) + 1
             if k:
-                count_speculation(req, k, m, stats, proposals[i].depth)
-                self.tracker.observe(req.request_id, proposals[i].owner, k, m, res.paths[b])
-                if proposals[i].is_tree:
-                    src, dst = path_moves(req.block_ids, self.allocator.block_size, roots[i], res.paths[b])
+                count_speculation(req, k, m, stats, prop.depth)
+                self.tracker.observe(req.request_id, prop.owner, k, m, res.paths[b])
+                if prop.is_tree:
+                    root = layout.roots[layout.emitting[b]]
+                    src, dst = path_moves(req.block_ids, self.allocator.block_size, root, res.paths[b])
                     moves[0].extend(src)
                     moves[1].extend(dst)
-            try:  # a fault in one request (bad logits, a tokenizer error) ends that request alone
-                if res.non_finite[b]:
-                    raise FloatingPointError("the target produced non-finite logits")
-                lp = res.logprobs[b]
-                for j, tok in enumerate(res.tokens[b]):
-                    self._append(req, tok, None if lp is None else TokenLogprob(tok, lp[0][j], lp[1][j]))
-                    stats.num_generation_tokens += 1
-                    if req.grammar is not None and advance_grammar(req.grammar, tok) and not req.finished:
-                        req.finish("stop")  # the grammar is complete: plain decoding would stop here too
-                    if req.finished:
-                        break
-            except Exception as exc:
-                log.exception("request %s failed", req.request_id)
-                req.fail(f"{type(exc).__name__}: {exc}")
+            self._emit(req, res, b, stats)
             req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)  # roll back rejects
         if moves[0]:
             self.target.kv.copy_slots(*moves)
-        return {i: res.paths[b] for b, i in enumerate(sampling)}
+        return {i: res.paths[b] for b, i in enumerate(layout.emitting)}
+
+    def _emit(self, req: Request, res, b: int, stats: StepStats) -> None:
+        """Append the b-th verified row's tokens until the request finishes; a fault here (bad logits, a tokenizer
+        error) ends this request alone."""
+        try:
+            if res.non_finite[b]:
+                raise FloatingPointError("the target produced non-finite logits")
+            lp = res.logprobs[b]
+            for j, tok in enumerate(res.tokens[b]):
+                self._append(req, tok, None if lp is None else TokenLogprob(tok, lp[0][j], lp[1][j]))
+                stats.num_generation_tokens += 1
+                if req.grammar is not None and advance_grammar(req.grammar, tok) and not req.finished:
+                    req.finish("stop")  # the grammar is complete: plain decoding would stop here too
+                if req.finished:
+                    break
+        except Exception as exc:
+            log.exception("request %s failed", req.request_id)
+            req.fail(f"{type(exc).__name__}: {exc}")
+
+    def _publish_and_free(self, seqs: list[ScheduledSeq]) -> None:
+        """Full, verified blocks become shareable (with the proposer KV they hold); finished requests let go."""
+        for s in seqs:
+            if s.request.finish_reason != "error":  # a failed request's last K/V may be what failed: keep it out
+                self.scheduler.publish(s.request, self.router.kv_valid_tokens(s.request))
+            if s.request.finished:
+                self._free(s.request)
+
+    def _step_outputs(self, seqs: list[ScheduledSeq], stats: StepStats, t0: float) -> list[RequestOutput]:
+        outputs = [s.request.make_output() for s in seqs if s.emits or s.request.finished]
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        stats.num_running, stats.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        stats.kv_cache_usage = self.allocator.usage
+        stats.step_seconds = time.perf_counter() - t0
+        self.totals.add(stats)
+        self.last_step = stats
+        return outputs
 
     def _free(self, req: Request) -> None:
         if req.prediction_token_ids:
@@ -357,8 +366,7 @@ class EngineCore:
             req.speculation.accepted_prediction_tokens, req.speculation.rejected_prediction_tokens = usage
         self.scheduler.free(req)
         self.tracker.forget(req.request_id)
-        for p in self.router.all():
-            p.on_free(req)
+        self.router.free(req)
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> None:
         req.token_ids.append(token)

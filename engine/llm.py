@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from config.schema import EngineConfig
-from engine.core import EngineCore
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from specserve.config.schema import EngineConfig
+from specserve.engine.core import EngineCore
+from specserve.engine.request import RequestOutput
+from specserve.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -67,9 +67,9 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer, eos_token_ids: set[int], max_tokens: int, method: str, device: torch.device,
+                 tokenizer, eos_token_ids: set[int], max_tokens: int, label: str, device: torch.device,
                  num_speculative_tokens: int = 0, prediction_token_ids: list[int] | None = None,
-                 fallback_method: str | None = None, adaptive: bool = False, cache_root: bytes = b"",
+                 method: str | None = None, adaptive: bool = False, cache_root: bytes = b"",
                  grammar=None):
         self.request_id = request_id
         self.prompt = prompt
@@ -84,14 +84,15 @@ class Request:
                                                   params.skip_special_tokens)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # target positions whose K/V are in the cache
-        self.fallback_method = fallback_method or method  # the method asked where a prediction offers nothing
+        # the request's speculation method (its proposer where a prediction, if it has one, offers nothing)
+        self.method = method or label
         self.num_speculative_tokens = num_speculative_tokens  # its k (the scheduler may give fewer per step)
-        self.adaptive = adaptive  # k chosen per step by engine/adaptive.py, at most num_speculative_tokens
+        self.adaptive = adaptive  # k chosen per step by engine/spec_decode/adaptive.py, at most num_speculative_tokens
         self.planned_k: int | None = None  # this step's choice for an adaptive request
         self.prediction_token_ids = prediction_token_ids  # Predicted Outputs: the expected completion, tokenised
         self.block_ids: list[int] = []
-        self.grammar = grammar  # an llguidance matcher over the output so far (engine/grammar.py), or None
-        # prefix caching (engine/block_allocator.py): the hash chain's root (model + salt), the hashes of the full
+        self.grammar = grammar  # an llguidance matcher over the output so far (engine/sample/grammar.py), or None
+        # prefix caching (engine/sched/block_allocator.py): the hash chain's root (model + salt), the hashes of the full
         # blocks of token_ids so far, blocks published (target KV verified) and blocks marked valid for the
         # request's proposer; prompt tokens reused at its first admission (OpenAI's cached_tokens)
         self.cache_root = cache_root
@@ -101,7 +102,7 @@ class Request:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.speculation = SpeculationStats(method=method)
+        self.speculation = SpeculationStats(method=label)  # label: "prediction", the method, or "none" (no k)
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self._logprobs_sent = 0
         self._tokens_sent = 0

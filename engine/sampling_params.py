@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.grammar import GrammarSpec
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.sample.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -41,7 +41,7 @@ class SamplingParams:
     speculative_method: str | None = None  # one of the methods the engine loaded, or "none"; None: its default
     prediction: str | list[int] | None = None  # Predicted Outputs: the expected completion (text or token ids)
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached KV blocks
-    structured: GrammarSpec | None = None  # the output must match this grammar (engine/grammar.py)
+    structured: GrammarSpec | None = None  # the output must match this grammar (engine/sample/grammar.py)
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to the logits of these token ids (-100..100)
 
     def __post_init__(self) -> None:

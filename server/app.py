@@ -12,18 +12,18 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from sse_starlette.sse import AppStatus
 
-from config.schema import AppConfig
-from engine.async_engine import AsyncEngine
-from engine.loader import DEMO_MODEL_NAME, is_gguf
-from engine.proposers.prediction import MAX_K as PREDICTION_K
-from engine.proposers.registry import canonical
-from server.auth import resolve_api_keys
-from server.tools import PARSERS
-from server.errors import BodyLimitMiddleware, install_error_handlers
-from server.metrics import Metrics
-from server.request_log import RequestIdMiddleware
-from server.routes import router
-from server.serving import ServingContext
+from specserve.config.schema import AppConfig
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.model.loader import DEMO_MODEL_NAME, is_gguf
+from specserve.engine.spec_decode.prediction import MAX_K as PREDICTION_K
+from specserve.engine.spec_decode.registry import canonical
+from specserve.server.auth import resolve_api_keys
+from specserve.server.errors import BodyLimitMiddleware, install_error_handlers
+from specserve.server.metrics import Metrics
+from specserve.server.request_log import RequestIdMiddleware
+from specserve.server.routes import router
+from specserve.server.serving import ServingContext
+from specserve.server.tools import PARSERS
 
 log = logging.getLogger("specserve")
 

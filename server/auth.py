@@ -1,6 +1,6 @@
 """API-key check for /v1/*: `Authorization: Bearer KEY` when the server was started with --api-key or
 --api-key-file (one key per line: one tenant per key). The key that matched names the request's tenant, which
-salts its prefix-cache blocks (engine/prefix_hash.py) unless the operator shares the cache between keys."""
+salts its prefix-cache blocks (engine/sched/prefix_hash.py) unless the operator shares the cache between keys."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import hmac
 
 from fastapi import Request
 
-from server.errors import APIError
+from specserve.server.errors import APIError
 
 
 def resolve_api_keys(api_key: str | None, api_key_file: str | None) -> tuple[str, ...]:

@@ -11,10 +11,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target model: local HF directory, .gguf file or hub id (default: the demo "
                                    "target SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (default: bundled demo draft)")
-    from config.loader import METHODS
-    p.add_argument("--speculative-method", choices=METHODS, type=str.lower,
+    from specserve.engine.spec_decode.registry import method_choices
+    p.add_argument("--speculative-method", choices=method_choices(), type=str.lower,
                    help="default: draft when a draft exists")
-    from config.schema import parse_k
+    from specserve.config.schema import parse_k
     p.add_argument("--num-speculative-tokens", type=parse_k, default="auto",
                    help="k: auto (adapts per step, the default), an integer (fixed) or 0 (off)")
     p.add_argument("--max-speculative-tokens", type=int, default=4, help="the largest k auto may choose")
@@ -33,7 +33,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from specserve.engine import LLM, SamplingParams
 
     llm = LLM(model=args.model, draft_model=args.draft_model, speculative_method=args.speculative_method,
               num_speculative_tokens=args.num_speculative_tokens, max_speculative_tokens=args.max_speculative_tokens,
@@ -55,9 +55,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check_before_listening(engine) -> None:
-    """Mistakes a user can fix, said before the server listens (models load after it does): a missing demo
-    package, an unreadable chat template (unknown methods: the config's own check)."""
-    from engine.loader import demo_model_paths, resolve_chat_template
+    """Mistakes a user can fix, said before the server listens (models load after it does): an unknown or repeated
+    speculation method, a missing demo package, an unreadable chat template."""
+    from specserve.engine.model.loader import demo_model_paths, resolve_chat_template
+    from specserve.engine.spec_decode.registry import check_methods
+
+    check_methods(engine)
 
     if engine.model is None:
         demo_model_paths()
@@ -70,9 +73,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from config.loader import build_config
-    from server.app import begin_drain, create_app
-    from server.request_log import configure_logging
+    from specserve.config.loader import build_config
+    from specserve.server.app import begin_drain, create_app
+    from specserve.server.request_log import configure_logging
 
     config = build_config(args, os.environ)
     _check_before_listening(config.engine)
@@ -95,14 +98,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from config.loader import add_config_flags
+    from specserve.config.loader import add_config_flags
 
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (default: the bundled demo pair)",
                            description="Every flag can also be set as env SPECSERVE_<FLAG> or in the YAML file "
                                        "given by --config; precedence: flags > env > file > defaults.")
-    add_config_flags(serve)
+    from specserve.engine.spec_decode.registry import method_choices
+
+    add_config_flags(serve, {"speculative_method": method_choices()})
     serve.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate a completion for one prompt (offline)")
     _add_engine_flags(gen)
@@ -121,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from engine.train import cli as train_cli  # lazy: serving never imports training code
+    from specserve.train import cli as train_cli  # lazy: serving never imports training code
 
     parser = argparse.ArgumentParser(prog="specserve")
     train_cli.add_train_parser(parser.add_subparsers(dest="command", required=True))

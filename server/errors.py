@@ -7,8 +7,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, EngineError, InvalidRequestError, QueueFullError, RequestTooLongError
-from server.schema_base import UnsupportedFieldError
+from specserve.engine.errors import (
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestTooLongError,
+)
+from specserve.server.schema_base import UnsupportedFieldError
 
 
 class APIError(Exception):

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from engine.request import RequestOutput
-from engine.stats import StepStats
+from specserve.engine.request import RequestOutput
+from specserve.engine.stats import StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 ACCEPTANCE_WINDOW_SECONDS = 60.0

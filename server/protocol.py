@@ -8,10 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from engine.grammar import GrammarSpec
-from engine.sampling_params import SamplingParams
-from server.schema_base import UnsupportedFieldError, RequestModel, StrictModel
-from server.tool_schemas import NamedToolChoice, ToolCallIn, ToolDef, response_format_spec
+from specserve.engine.sample.grammar import GrammarSpec
+from specserve.engine.sampling_params import SamplingParams
+from specserve.server.schema_base import RequestModel, StrictModel, UnsupportedFieldError
+from specserve.server.tool_schemas import NamedToolChoice, ToolCallIn, ToolDef, response_format_spec
 
 MAX_STOP_CHARS = 512
 

@@ -9,7 +9,7 @@ import re
 import time
 import uuid
 
-from engine.request import RequestOutput
+from specserve.engine.request import RequestOutput
 
 log = logging.getLogger("specserve.requests")
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:\-]")

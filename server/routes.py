@@ -8,16 +8,24 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.tokens import encode_prompt, encode_rendered
-from server.auth import require_api_key
-from server.errors import APIError
-from server.metrics import CONTENT_TYPE
-from server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
-from server.request_log import log_finished
-from server.serving import (check_model, chat_response, collect, completion_response, new_id, now,
-                            render_chat_prompt, submit_all)
-from server.streaming import chat_stream, completion_stream
-from server.tools import forced_call_grammar
+from specserve.engine.tokens import encode_prompt, encode_rendered
+from specserve.server.auth import require_api_key
+from specserve.server.errors import APIError
+from specserve.server.metrics import CONTENT_TYPE
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from specserve.server.request_log import log_finished
+from specserve.server.serving import (
+    chat_response,
+    check_model,
+    collect,
+    completion_response,
+    new_id,
+    now,
+    render_chat_prompt,
+    submit_all,
+)
+from specserve.server.streaming import chat_stream, completion_stream
+from specserve.server.tools import forced_call_grammar
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 router = APIRouter()

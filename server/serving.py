@@ -8,11 +8,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.client import EngineClient
-from engine.request import RequestOutput, TokenLogprob
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.tools import PARSERS, chat_messages, message_with_calls, template_renders_tools
+from specserve.engine.client import EngineClient
+from specserve.engine.request import RequestOutput, TokenLogprob
+from specserve.server.errors import APIError
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.tools import PARSERS, chat_messages, message_with_calls, template_renders_tools
 
 
 @dataclass

@@ -9,11 +9,19 @@ from collections.abc import AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse
 
-from engine.request import RequestOutput
-from server.errors import api_error
-from server.serving import (ServingContext, chat_logprobs, completion_logprobs, finish_reason, merge, now,
-                            speculation_sum, usage)
-from server.tools import message_with_calls
+from specserve.engine.request import RequestOutput
+from specserve.server.errors import api_error
+from specserve.server.serving import (
+    ServingContext,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    merge,
+    now,
+    speculation_sum,
+    usage,
+)
+from specserve.server.tools import message_with_calls
 
 DONE = "[DONE]"
 OnEnd = Callable[[list[RequestOutput], str], None]

@@ -1,5 +1,5 @@
-"""Request schemas of tool calling and structured outputs: function definitions, tool_choice, the assistant's tool
-calls a client sends back in the history, and OpenAI's response_format turned into a grammar (engine/grammar.py)."""
+"""Request schemas of tool calling and structured outputs: function definitions, tool_choice, the assistant's tool calls
+a client sends back in the history, and OpenAI's response_format turned into a grammar (engine/sample/grammar.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from engine.grammar import GrammarSpec
-from server.schema_base import StrictModel, UnsupportedFieldError
+from specserve.engine.sample.grammar import GrammarSpec
+from specserve.server.schema_base import StrictModel, UnsupportedFieldError
 
 
 class FunctionCallIn(StrictModel):

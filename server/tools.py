@@ -1,5 +1,5 @@
 """Tool calling: the request's tools rendered into the prompt, `required` / named `tool_choice` constrained by a
-grammar (engine/grammar.py) so that the output always parses, and the output parsed into OpenAI's `tool_calls`
+grammar (engine/sample/grammar.py) so that the output always parses, and the output parsed into OpenAI's `tool_calls`
 by a parser chosen per model family (`--tool-call-parser`).
 
 Parsers (a registry): `hermes` — Hermes/Qwen style, each call `<tool_call>{"name": ..., "arguments": {...}}
@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from engine.grammar import GrammarSpec
+from specserve.engine.sample.grammar import GrammarSpec
 
 FALLBACK_HEADER = ("You can call functions. Here are the functions you may call, as JSON Schemas of their "
                    "arguments:\n")

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.tiny_models import _save, build_word_tokenizer
 

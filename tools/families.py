@@ -20,10 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-from engine.model_support import unsupported_features  # noqa: E402
+from specserve.engine.model.support import unsupported_features  # noqa: E402
 from tests import tiny_families  # noqa: E402
 
 REFUSAL_PREFIX = "is not supported by the paged attention: "
@@ -33,7 +32,7 @@ class FamilyTimeout(Exception):
     pass
 
 
-README_START, README_END = "<!-- families:start -->", "<!-- families:end -->"
+TABLE_START, TABLE_END = "<!-- families:start -->", "<!-- families:end -->"
 
 
 def _alarm(signum, frame):
@@ -94,15 +93,15 @@ def main(argv=None) -> int:
     ap.add_argument("families", nargs="*", help="model_type names (default: all)")
     ap.add_argument("--timeout", type=int, default=120, help="seconds per family")
     ap.add_argument("--unchecked", action="store_true", help="skip the config rules of the load-time check")
-    ap.add_argument("--write-readme", action="store_true", help="also put the table into README.md (between its "
-                                                                     "family-table markers)")
+    ap.add_argument("--write-doc", action="store_true", help="also put the table into docs/model-families.md "
+                                                                  "(between its family-table markers)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # tiny models: one thread is many times faster than two contending ones
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if args.unchecked:
-        import engine.model_support
-        engine.model_support.unsupported_features = lambda config: []
+        import specserve.engine.model.support
+        specserve.engine.model.support.unsupported_features = lambda config: []
     names = args.families or tiny_families.families()
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,17 +115,17 @@ def main(argv=None) -> int:
             f"{counts['refused']} refused, {counts['error']} error\n\n| family | status |\n|---|---|\n"
             + "".join(f"| {name} | {status} |\n" for name, status in rows))
     print(text + f"\n({time.time() - t0:.0f} s)")
-    if args.write_readme:
-        write_readme(text)
+    if args.write_doc:
+        write_doc(text)
     return 0
 
 
-def write_readme(table: str) -> None:
-    """Replace the text between the family-table markers of README.md."""
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    doc = readme.read_text()
-    start, end = doc.index(README_START) + len(README_START), doc.index(README_END)
-    readme.write_text(doc[:start] + "\n" + table + doc[end:])
+def write_doc(table: str) -> None:
+    """Replace the text between the family-table markers of docs/model-families.md."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "model-families.md"
+    doc = path.read_text()
+    start, end = doc.index(TABLE_START) + len(TABLE_START), doc.index(TABLE_END)
+    path.write_text(doc[:start] + "\n" + table + doc[end:])
 
 
 if __name__ == "__main__":

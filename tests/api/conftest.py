@@ -7,8 +7,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from config.schema import AppConfig, EngineConfig, ServerConfig
-from server.app import create_app
+from specserve.config.schema import AppConfig, EngineConfig, ServerConfig
+from specserve.server.app import create_app
 
 
 def make_client(tiny, **engine_kw) -> TestClient:

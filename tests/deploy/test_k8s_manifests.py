@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config.loader import build_config
+from specserve.config.loader import build_config
 from tests.deploy.dockerfile_parse import ROOT, image
 
 K8S = ROOT / "docker" / "k8s"

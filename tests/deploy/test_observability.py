@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config.loader import build_config
+from specserve.config.loader import build_config
 from tests.deploy.contract import DASHBOARD, DOCKER, SERIES, concrete, dashboard, series_names, targets
 from tests.deploy.dockerfile_parse import DOCKERFILE, ROOT, image, instructions
 

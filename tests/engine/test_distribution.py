@@ -1,8 +1,8 @@
 """End to end, sampled speculative output follows the target's exact law.
 
 A 6-token vocabulary makes the exact joint law of the first three generated tokens cheap to compute with plain HF
-forwards; the engine draws 10k samples with a *different* random draft (so rejections and residual draws are
-common) and a chi-square test compares. The same test with seed 002's biased resampling must fail.
+forwards; the engine draws 10k samples with a *different* random draft (so rejections and residual draws are common) and
+a chi-square test compares. The same test with a biased sampler (resampling from the target on rejection) must fail.
 """
 
 import random
@@ -13,10 +13,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.tiny_models import build_word_tokenizer, save_llama
-from tests.unit.test_rejection import _seed002_biased
+from tests.unit.test_rejection import _resample_from_target
+
+pytestmark = pytest.mark.slow  # statistical law tests (tools/test.sh runs the slow tier)
 
 V = 6
 N = 10_000
@@ -98,14 +100,14 @@ def test_first_three_tokens_follow_target_law(pair, case):
 
 
 def test_law_check_fails_on_seed_002_resampling(pair, monkeypatch):
-    monkeypatch.setattr("engine.verifier.rejection_sample", _seed002_biased)
+    monkeypatch.setattr("specserve.engine.sample.verifier.rejection_sample", _resample_from_target)
     assert _p_value(*pair, CASES["temperature_1"]) < 1e-6
 
 
 @pytest.fixture(scope="module")
 def mapped_draft(pair, tmp_path_factory):
     """A sub-vocabulary draft: it can propose only target ids 1, 3, 5 (plus an unknown input id)."""
-    from engine.vocab_map import save_vocab_map
+    from specserve.engine.model.vocab_map import save_vocab_map
 
     root = tmp_path_factory.mktemp("mapped")
     draft = save_llama(root / "draft", pair[0], 4, layers=1, hidden=32, heads=2, kv_heads=1, seed=12)
@@ -136,5 +138,5 @@ def test_ngram_tree_keeps_target_law(pair, case):
 def test_tree_law_check_fails_on_a_lossy_tree_rule(pair, monkeypatch):
     from tests.unit.test_tree import _lossy_tree_sample
 
-    monkeypatch.setattr("engine.verifier.tree_sample", _lossy_tree_sample)
+    monkeypatch.setattr("specserve.engine.sample.verifier.tree_sample", _lossy_tree_sample)
     assert _p_value(pair[0], None, CASES["temperature_1"], TREE_PROMPT, **TREE_ENGINE) < 1e-6

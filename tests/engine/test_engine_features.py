@@ -5,10 +5,10 @@ import asyncio
 import pytest
 import torch
 
-from config.schema import EngineConfig
-from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError, QueueFullError, RequestTooLongError
-from engine.sampling_params import SamplingParams
+from specserve.config.schema import EngineConfig
+from specserve.engine.async_engine import AsyncEngine
+from specserve.engine.errors import InvalidRequestError, QueueFullError, RequestTooLongError
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 
 PROMPT = "The quick brown fox"

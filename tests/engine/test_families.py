@@ -4,8 +4,16 @@ attention feature; tools/families.py runs every family transformers registers.""
 
 import pytest
 
-from tests.tiny_families import CHUNK, NEW_TOKENS, PROMPT_LENGTHS, SOFTCAP, WINDOW, check_family, save_family, \
-    tiny_config
+from tests.tiny_families import (
+    CHUNK,
+    NEW_TOKENS,
+    PROMPT_LENGTHS,
+    SOFTCAP,
+    WINDOW,
+    check_family,
+    save_family,
+    tiny_config,
+)
 
 # family -> "exact", or a phrase the refusal must contain
 CI_FAMILIES = {

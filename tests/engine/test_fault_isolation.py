@@ -1,8 +1,8 @@
 """A fault in one request (non-finite logits, a tokenizer error) fails that request alone; the rest of the batch
 finishes with exactly the greedy reference output (fp32), and every KV block comes back."""
 
-import engine.core
-from engine.sampling_params import SamplingParams
+import specserve.engine.core
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 
 PROMPTS = ["The quick brown fox", "def main():", "café", "Speculative decoding", "x", "lazy dog"]
@@ -12,7 +12,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 def test_faulty_requests_fail_alone(tiny, monkeypatch):
     reference = [o.output_token_ids for o in run(make_core(tiny["llama"]), PROMPTS, GREEDY)]
     core = make_core(tiny["llama"], tiny["llama_draft"], k=3)
-    real_verify = engine.core.verify
+    real_verify = specserve.engine.core.verify
     calls = {"n": 0}
 
     def verify_with_nan(logits, requests, ks, *args):
@@ -26,7 +26,7 @@ def test_faulty_requests_fail_alone(tiny, monkeypatch):
                 logits[start:start + ks[b] + 1] = float("nan")
         return real_verify(logits, requests, ks, *args)
 
-    monkeypatch.setattr(engine.core, "verify", verify_with_nan)
+    monkeypatch.setattr(specserve.engine.core, "verify", verify_with_nan)
     reqs = {f"r{i}": core.make_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)}
 
     def broken(token_id):

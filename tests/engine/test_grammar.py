@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding, exact under speculation (engine/grammar.py): greedy identity with and without
+"""Grammar-constrained decoding, exact under speculation (engine/sample/grammar.py): greedy identity with and without
 speculation under a grammar (fp32), sampled outputs under a bounded JSON Schema all validate, the law of sampled
 output under a grammar with a sampled draft (chi-square; cutting the draft at its first forbidden token is the
 biased control that must fail), and the matcher left as it was after masks for a partly invalid proposal."""
@@ -13,11 +13,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from engine.errors import InvalidRequestError
-from engine.grammar import GrammarSpec, node_bitmasks
-from engine.proposers.base import Proposal
-from engine.proposers.draft_model import DraftModelProposer
-from engine.sampling_params import SamplingParams
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.sample.grammar import GrammarSpec, node_bitmasks
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.spec_decode.base import Proposal
+from specserve.engine.spec_decode.draft_model import DraftModelProposer
 from tests.engine.helpers import make_core, run
 from tests.tiny_models import build_letter_tokenizer, save_llama
 
@@ -168,10 +168,12 @@ def _p_value(letters) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+@pytest.mark.slow  # statistical law test
 def test_sampled_output_under_a_grammar_follows_the_constrained_law(letters):
     assert _p_value(letters) > 1e-3
 
 
+@pytest.mark.slow  # statistical law test
 def test_law_check_fails_when_a_sampled_draft_is_cut_at_its_first_forbidden_token(letters, monkeypatch):
     """The control: the draft samples from its unconstrained q and the proposal is cut where the grammar first
     refuses it. Verification then sees a q that is not what the kept tokens were drawn from: biased."""

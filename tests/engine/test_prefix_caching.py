@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import drive, make_core, run
 from tests.engine.test_dflash import fresh_context_kv, save_random
 

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from engine.errors import InvalidRequestError
-from engine.proposers.base import ProposerNeeds, chain_proposal
-from engine.proposers.ngram import NgramProposer, trie
-from engine.proposers.ngram_index import NgramIndex
-from engine.sampling_params import SamplingParams
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.spec_decode.base import ProposerBase, ProposerNeeds, chain_proposal
+from specserve.engine.spec_decode.ngram import NgramProposer, trie
+from specserve.engine.spec_decode.ngram_index import NgramIndex
 from tests.engine.helpers import make_core, run
 from tests.engine.test_greedy_exactness import PROMPTS
 
@@ -112,26 +112,17 @@ def test_ngram_trees_greedy_identical(tiny, baseline):
     assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
 
 
-class OracleTree:
+class OracleTree(ProposerBase):
     """A test method that knows each request's true greedy output and proposes a tree whose FIRST branch is wrong
     after one token and whose second branch is the truth: every step must then accept the whole second branch,
     through its K/V moved into place (a wrong mask, position or move shows up as a rejection or a wrong token)."""
 
     name = "oracle"
-    needs = ProposerNeeds(tree=True)
-    num_speculative_tokens = 7
-    max_model_len = None
     truth: dict = {}  # prompt tuple -> greedy output (the test sets it on the loaded instance)
 
     @classmethod
     def load(cls, cfg, ctx):
-        return cls()
-
-    def kv_bytes_per_token(self):
-        return 0
-
-    def bind_kv(self, num_blocks, block_size):
-        pass
+        return cls(ProposerNeeds(tree=True), 7)
 
     def propose(self, requests, ks, gen):
         drafts, parents = [], []
@@ -150,20 +141,11 @@ class OracleTree:
             parents.append(par)
         return chain_proposal(drafts, torch.device("cpu"), parents)
 
-    def on_verified(self, requests, rows):
-        pass
-
-    def on_preempt(self, req):
-        pass
-
-    def on_free(self, req):
-        pass
-
 
 def test_tree_side_branch_accepted_with_kv_moved_into_place(tiny, baseline, monkeypatch):
     from types import MappingProxyType
 
-    import engine.proposers.registry as registry
+    import specserve.engine.spec_decode.registry as registry
     monkeypatch.setattr(registry, "PROPOSERS", MappingProxyType(
         {**registry.PROPOSERS, "oracle": "tests.engine.test_proposers:OracleTree"}))
     core = make_core(tiny["llama"], speculative_config='{"method": "oracle", "num_speculative_tokens": 7}',
@@ -221,18 +203,15 @@ def test_ngram_acceptance_equals_a_fresh_lookup_each_step(tiny, baseline, branch
     assert sum(o.speculation.num_accepted_tokens for o in outs) >= 40
 
 
-class HiddenRecorder:
+class HiddenRecorder(ProposerBase):
     """A test method that reads target hidden states of every computed token (as DFlash will) and proposes what
     n-gram lookup would; it keeps, per request, the states at each position — truncated where they restart."""
 
     name = "recorder"
-    needs = ProposerNeeds()
-    num_speculative_tokens = 3
-    max_model_len = None
     LAYERS = (0, 1, -1)
 
     def __init__(self, rows):
-        self.needs = ProposerNeeds(hidden_layers=self.LAYERS, hidden_rows=rows)
+        super().__init__(ProposerNeeds(hidden_layers=self.LAYERS, hidden_rows=rows), 3)
         self.lookup = NgramProposer(3, 1, 3, torch.device("cpu"))
         self.states: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
         self.finished: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
@@ -240,12 +219,6 @@ class HiddenRecorder:
     @classmethod
     def load(cls, cfg, ctx):
         return cls(cfg.model or "all")
-
-    def kv_bytes_per_token(self):
-        return 0
-
-    def bind_kv(self, num_blocks, block_size):
-        pass
 
     def propose(self, requests, ks, gen):
         return self.lookup.propose(requests, ks, gen)
@@ -256,12 +229,6 @@ class HiddenRecorder:
             n = next(iter(chunk.states.values())).shape[0]
             for j in range(n):
                 per_pos[chunk.start + j] = {layer: h[j].clone() for layer, h in chunk.states.items()}
-
-    def on_verified(self, requests, rows):
-        pass
-
-    def on_preempt(self, req):
-        pass
 
     def on_free(self, req):
         self.finished[req.request_id] = self.states.pop(req.request_id, {})
@@ -277,7 +244,7 @@ def test_hidden_states_from_the_target_forward_equal_hf(tiny, monkeypatch, rows)
 
     from transformers import AutoModelForCausalLM
 
-    import engine.proposers.registry as registry
+    import specserve.engine.spec_decode.registry as registry
     monkeypatch.setattr(registry, "PROPOSERS", MappingProxyType(
         {**registry.PROPOSERS, "recorder": "tests.engine.test_proposers:HiddenRecorder"}))
     cfg = json.dumps({"method": "recorder", "model": rows, "num_speculative_tokens": 3})

@@ -4,7 +4,7 @@ reuses) leaves the next requests' greedy tokens unchanged, and the null block th
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.tiny_families import prompts, save_family
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from engine.medusa_heads import MedusaHeads
-from engine.sampling_params import SamplingParams
-from engine.train.cli import add_train_parser
-from engine.train.loop import TrainConfig
-from engine.train.medusa import future_labels, train_stage1, train_stage2
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.spec_decode.medusa.heads import MedusaHeads
+from specserve.train.cli import add_train_parser
+from specserve.train.loop import TrainConfig
+from specserve.train.medusa import future_labels, train_stage1, train_stage2
 from tests.engine.helpers import make_core, run
 
 PROMPTS = [f"def f{i}(x):" for i in range(12)] + [f"The quick {w}" for w in ("fox", "dog", "café", "brown")]

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from engine.train.cli import add_train_parser
-from engine.train.corpus import heldout_prompts, load_corpus
-from engine.train.distill import train_draft
-from engine.train.loop import TrainConfig
-from engine.train.target import train_target
+from specserve.train.cli import add_train_parser
+from specserve.train.corpus import heldout_prompts, load_corpus
+from specserve.train.distill import train_draft
+from specserve.train.loop import TrainConfig
+from specserve.train.target import train_target
 
 TINY_TARGET = dict(num_layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2)
 TINY_DRAFT = dict(num_layers=1, hidden=32, intermediate=64, heads=2, kv_heads=2)

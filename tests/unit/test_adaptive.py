@@ -3,7 +3,15 @@ does not pay / some rows pay / probing)."""
 
 import pytest
 
-from engine.adaptive import MARGIN, PRIOR_ACCEPT, AcceptanceTracker, LinearCost, Row, goodput, plan
+from specserve.engine.spec_decode.adaptive import (
+    MARGIN,
+    PRIOR_ACCEPT,
+    AcceptanceTracker,
+    LinearCost,
+    Row,
+    goodput,
+    plan,
+)
 
 
 def _cost(a=0.030, b=0.0006, xs=(1, 5, 9, 16, 32, 64)):
@@ -79,7 +87,7 @@ def test_plan_before_any_measurement_proposes_the_caps():
 
 
 def test_recent_median_ignores_a_one_off_spike():
-    from engine.adaptive import RecentMedian
+    from specserve.engine.spec_decode.adaptive import RecentMedian
 
     m = RecentMedian(5)
     assert m.add(1.0) == 1.0

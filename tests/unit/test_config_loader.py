@@ -1,21 +1,25 @@
-"""config.loader: CLI > env > YAML > defaults, type conversion, size parsing, errors that name the field."""
+"""specserve.config.loader: CLI > env > YAML > defaults, type conversion, size parsing, errors that name the field."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from unittest import mock
 
 import pytest
 
-from config.loader import _convert, add_config_flags, build_config, parse_size
-from config.schema import GiB, AppConfig, EngineConfig, ServerConfig
+from specserve.config.loader import _convert, add_config_flags, build_config, parse_size
+from specserve.config.schema import AppConfig, EngineConfig, GiB, ServerConfig
+from specserve.engine.spec_decode.registry import method_choices
 
 ALL_FIELDS = [f.name for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)]
 
 
 def parse(*argv: str) -> argparse.Namespace:
+    """The flags as `specserve serve` builds them (the method names come from the engine's registry)."""
     parser = argparse.ArgumentParser(prog="t")
-    add_config_flags(parser)
+    add_config_flags(parser, {"speculative_method": method_choices()})
     return parser.parse_args(list(argv))
 
 
@@ -194,15 +198,22 @@ def test_invalid_values_are_rejected_by_the_schema(tmp_path, field, value):
 
 
 @pytest.mark.parametrize("field, value", [("log_level", "loud"), ("speculative_method", "eagle3")])
-def test_invalid_choices_from_env_and_yaml_are_rejected_by_the_schema(tmp_path, field, value):
+def test_invalid_choices_from_env_and_yaml_are_rejected(tmp_path, field, value):
+    """log_level by the schema; method names by the engine's registry (the config does not import the engine),
+    which the CLI runs before the server listens."""
+    from specserve.engine.spec_decode.registry import check_methods
+
+    def build_and_check(args, env):
+        check_methods(build_config(args, env).engine)
+
     with pytest.raises(ValueError, match=f"^{field}:"):
-        build_config(None, {f"SPECSERVE_{field.upper()}": value})
+        build_and_check(None, {f"SPECSERVE_{field.upper()}": value})
     with pytest.raises(ValueError, match=f"^{field}:"):
-        build_config(parse("--config", write(tmp_path, f"{field}: {value}\n")), {})
+        build_and_check(parse("--config", write(tmp_path, f"{field}: {value}\n")), {})
 
 
 def test_kubernetes_service_link_variables_are_ignored_or_explained():
-    from config.loader import build_config
+    from specserve.config.loader import build_config
 
     env = {"SPECSERVE_SERVICE_HOST": "10.0.0.1", "SPECSERVE_SERVICE_PORT": "8000",
            "SPECSERVE_PORT_8000_TCP": "tcp://10.0.0.1:8000", "SPECSERVE_PORT_8000_TCP_ADDR": "10.0.0.1"}
@@ -214,13 +225,17 @@ def test_kubernetes_service_link_variables_are_ignored_or_explained():
 
 
 def test_unknown_or_repeated_methods_are_refused_before_anything_loads(tmp_path, capsys):
-    """Checked against the engine's registry (names only) by the config, from every source."""
-    from server.cli import main
+    """Checked against the engine's registry (names only) by the CLI before the server listens, from every source."""
+    from specserve.engine.spec_decode.registry import check_methods
+    from specserve.server.cli import main
 
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(tmp_path), "--speculative-method", "eagle3"])
     with pytest.raises(ValueError, match="^speculative_method: unknown speculative method 'eagle3'"):
-        build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "eagle3"})
+        check_methods(build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "eagle3"}).engine)
+    with mock.patch.dict(os.environ, {"SPECSERVE_SPECULATIVE_METHOD": "eagle3"}):
+        assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "speculative_method: unknown speculative method 'eagle3'" in capsys.readouterr().err
     cfg = '[{"method": "ngram"}, {"method": "prompt_lookup"}]'
     assert main(["serve", "--model", str(tmp_path), "--speculative-config", cfg]) == 2
     assert "speculative_config.method: method 'ngram' is listed twice" in capsys.readouterr().err

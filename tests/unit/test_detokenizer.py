@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.detokenizer import IncrementalDetokenizer
 from tests.tiny_models import EOS, build_tokenizer
 
 MULTIBYTE = "café 東京 😀 naïve"

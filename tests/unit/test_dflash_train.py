@@ -10,13 +10,25 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.dflash_model import DFlashDrafter, block_masks, load_drafter, new_config
-from engine.train.cli import add_train_parser
-from engine.train.dflash import (IGNORE, Frozen, Sequence, block_targets, choose_mask_token,
-                                 context_layer_ids, default_gamma, draft_hidden, draw_anchors, init_from_target,
-                                 make_batch, train_dflash, training_mask)
-from engine.train.loop import TrainConfig
-from engine.vocab_map import save_vocab_map
+from specserve.engine.model.vocab_map import save_vocab_map
+from specserve.engine.spec_decode.dflash.model import DFlashDrafter, block_masks, load_drafter, new_config
+from specserve.train.cli import add_train_parser
+from specserve.train.dflash import (
+    IGNORE,
+    Frozen,
+    Sequence,
+    block_targets,
+    choose_mask_token,
+    context_layer_ids,
+    default_gamma,
+    draft_hidden,
+    draw_anchors,
+    init_from_target,
+    make_batch,
+    train_dflash,
+    training_mask,
+)
+from specserve.train.loop import TrainConfig
 from tests.tiny_models import build_word_tokenizer
 
 VOCAB = 300
@@ -161,7 +173,7 @@ def test_training_lowers_the_loss_and_beats_the_untrained_drafter(tmp_path):
 def test_the_engine_accepts_a_trained_drafter_and_stays_greedy_exact(tiny, tmp_path):
     """Training and serving agree on positions, masks and target layers: the engine's DFlash proposer accepts most
     of a trained drafter's tokens on the answers it was trained on, and the output is the target's greedy one."""
-    from engine.sampling_params import SamplingParams
+    from specserve.engine.sampling_params import SamplingParams
     from tests.engine.helpers import make_core, run
 
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from engine.block_allocator import BlockAllocator
-from engine.kv_cache import KVPool, kv_bytes_per_token, kv_geometry
+from specserve.engine.sched.block_allocator import BlockAllocator
+from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token, kv_geometry
 
 
 @pytest.mark.parametrize("tokens, blocks", [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (32, 2), (33, 3)])

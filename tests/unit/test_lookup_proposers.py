@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from engine.proposers.ngram import trie
-from engine.proposers.ngram_index import NgramIndex
-from engine.proposers.prediction import MIN_N, PredictionAligner, prediction_usage
+from specserve.engine.spec_decode.ngram import trie
+from specserve.engine.spec_decode.ngram_index import NgramIndex
+from specserve.engine.spec_decode.prediction import MIN_N, PredictionAligner, prediction_usage
 
 
 def test_ngram_lookup_follows_the_latest_earlier_occurrence_of_the_longest_suffix():

@@ -2,7 +2,14 @@
 
 import pytest
 
-from engine.medusa_tree import best_paths, choose_tree, default_tree, layout, parse_choices, path_probabilities
+from specserve.engine.spec_decode.medusa.tree import (
+    best_paths,
+    choose_tree,
+    default_tree,
+    layout,
+    parse_choices,
+    path_probabilities,
+)
 
 
 def test_parse_keeps_a_best_first_order_sorts_others_by_length_and_checks_prefixes():

@@ -5,11 +5,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import SeqChunk
-from engine.block_allocator import BlockAllocator
-from engine.kv_cache import KVPool
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from specserve.engine.model.attention import SeqChunk
+from specserve.engine.model.loader import load_model
+from specserve.engine.model.runner import ModelRunner
+from specserve.engine.sched.block_allocator import BlockAllocator
+from specserve.engine.sched.kv_cache import KVPool
 from tests.tiny_models import build_tokenizer, save_gpt2, save_llama
 
 CPU = torch.device("cpu")
@@ -20,10 +20,11 @@ TOL = 1e-4
 @pytest.fixture(params=["sdpa", "eager"])
 def attention(request, monkeypatch):
     """Both attention paths: SDPA (fp32, prefill chunks, CUDA) and the eager math CPU bf16 uses for short queries
-    (engine.attention.eager_is_faster), here forced in fp32 so that it is held to the same tolerance."""
+    (specserve.engine.model.attention.eager_is_faster), here forced in fp32 so that it is held to the same tolerance."""
     if request.param == "eager":
-        import engine.attention
-        monkeypatch.setattr(engine.attention, "eager_is_faster", lambda q: q.shape[2] <= engine.attention.SHORT_QUERY)
+        import specserve.engine.model.attention
+        module = specserve.engine.model.attention
+        monkeypatch.setattr(module, "eager_is_faster", lambda q: q.shape[2] <= module.SHORT_QUERY)
     return request.param
 
 
@@ -136,7 +137,7 @@ def test_logits_are_cut_or_padded_to_the_target_vocabulary(models):
 def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch, attention):
     """Short chunks (decode) and long ones (prefill) attend in separate query groups; the outputs must come back
     in the forward's token order, whatever order the chunks arrive in."""
-    from engine.attention import SHORT_QUERY, build_metadata
+    from specserve.engine.model.attention import SHORT_QUERY, build_metadata
     path, vocab = models[arch], models["vocab"]
     model = load_model(path, torch.float32, CPU)
     gen = torch.Generator().manual_seed(1)

@@ -2,12 +2,17 @@
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, Gemma3Config, GraniteMoeHybridConfig, LlamaConfig, Lfm2Config
-from transformers.masking_utils import (and_masks, bidirectional_mask_function, causal_mask_function,
-                                        chunked_overlay, sliding_window_causal_mask_function)
+from transformers import DeepseekV3Config, Gemma3Config, GraniteMoeHybridConfig, Lfm2Config, LlamaConfig
+from transformers.masking_utils import (
+    and_masks,
+    bidirectional_mask_function,
+    causal_mask_function,
+    chunked_overlay,
+    sliding_window_causal_mask_function,
+)
 
-from engine.errors import InvalidRequestError
-from engine.model_support import check_supported, config_pattern, mask_pattern
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.model.support import check_supported, config_pattern, mask_pattern
 
 
 def test_mask_patterns_of_hf_mask_functions():

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine.block_allocator import BlockAllocator
-from engine.kv_cache import KVPool
-from engine.prefix_hash import block_hash, extend_block_hashes, root_hash
+from specserve.engine.sched.block_allocator import BlockAllocator
+from specserve.engine.sched.kv_cache import KVPool
+from specserve.engine.sched.prefix_hash import block_hash, extend_block_hashes, root_hash
 
 
 def _hashes(tokens, block_size=4, salt=None):

@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SamplingTensors, apply_penalties, exponential_noise, processed_probs, sample, uniform_noise
-from engine.sampling_params import SamplingParams
+from specserve.engine.sample.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    exponential_noise,
+    processed_probs,
+    sample,
+    uniform_noise,
+)
+from specserve.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 # A distribution in scrambled vocabulary order (sorted: 0.5 @2, 0.3 @0, 0.15 @3, 0.05 @1), so the filters'

@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from specserve.engine.errors import InvalidRequestError
+from specserve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("field, value", [

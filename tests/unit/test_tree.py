@@ -6,13 +6,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from engine.attention import SeqChunk
-from engine.block_allocator import BlockAllocator
-from engine.kv_cache import KVPool
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.sampler import sample
-from engine.tree import ancestor_matrix, chain_parents, check_tree, depths, tree_sample
+from specserve.engine.model.attention import SeqChunk
+from specserve.engine.model.loader import load_model
+from specserve.engine.model.runner import ModelRunner
+from specserve.engine.sample.sampler import sample
+from specserve.engine.sample.tree import ancestor_matrix, chain_parents, check_tree, depths, tree_sample
+from specserve.engine.sched.block_allocator import BlockAllocator
+from specserve.engine.sched.kv_cache import KVPool
 from tests.unit.test_model_runner import models  # noqa: F401  (the same tiny Llama and GPT-2, a fixture)
 
 CPU = torch.device("cpu")
@@ -86,7 +86,8 @@ def test_greedy_tree_walk_follows_the_argmax():
 
 
 def _lossy_tree_sample(p, tokens, parents, anc, num, noise, *relaxed):
-    """Medusa-style shortcut (GUIDE §1's defect): keep a child whose token the target finds likely enough."""
+    """Medusa-style shortcut (lossy: it accepts tokens the target would not have drawn): keep a child whose token the
+    target finds likely enough."""
     out, m, path = tree_sample(p, tokens, parents, anc, num, noise, *relaxed)
     if tokens.shape[1] == 0:
         return out, m, path

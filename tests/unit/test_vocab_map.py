@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.vocab_map import VocabMap, load_vocab_map, save_vocab_map
+from specserve.engine.model.vocab_map import VocabMap, load_vocab_map, save_vocab_map
 
 
 def test_ids_and_logits_round_trip(tmp_path):

@@ -1,0 +1,58 @@
+"""The speculation methods this engine can load: name -> module:class (imported only when a server loads it).
+
+Adding a method: write `engine/spec_decode/<name>.py` with a class implementing `base.Proposer` and a classmethod
+`load(method_config, context)`, and add one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import MappingProxyType
+
+PROPOSERS = MappingProxyType({
+    "draft": "specserve.engine.spec_decode.draft_model:DraftModelProposer",
+    "ngram": "specserve.engine.spec_decode.ngram:NgramProposer",
+    "medusa": "specserve.engine.spec_decode.medusa.proposer:MedusaProposer",
+    "dflash": "specserve.engine.spec_decode.dflash.proposer:DFlashProposer",
+})
+ALIASES = MappingProxyType({"draft_model": "draft", "prompt_lookup": "ngram"})  # vLLM's and HF's names
+NONE = "none"
+
+
+def canonical(name: str) -> str:
+    name = name.strip().lower()
+    return ALIASES.get(name, name)
+
+
+def proposer_names() -> list[str]:
+    return sorted(PROPOSERS)
+
+
+def method_choices() -> tuple[str, ...]:
+    """Every name a user may give: methods, their aliases, and "none" (the CLI's choices)."""
+    return (*proposer_names(), *ALIASES, NONE)
+
+
+def check_methods(config) -> None:
+    """ValueError naming the field for an unknown method or one listed twice (an EngineConfig; no import of the
+    methods themselves, so the config and the CLI can say it before loading anything)."""
+    field = "speculative_config.method" if config.speculative_config else "speculative_method"
+    seen = set()
+    for m in config.speculative_methods:
+        name = canonical(m.method)
+        if name not in PROPOSERS:
+            raise ValueError(f"{field}: unknown speculative method {m.method!r}; available: "
+                             f"{', '.join(proposer_names() + [NONE])}")
+        if name in seen:
+            raise ValueError(f"{field}: method {name!r} is listed twice")
+        seen.add(name)
+
+
+def proposer_class(name: str, field: str = "speculative_method"):
+    """The class of method `name`; ValueError naming `field` for an unknown one."""
+    name = canonical(name)
+    if name not in PROPOSERS:
+        raise ValueError(f"{field}: unknown speculative method {name!r}; available: "
+                         f"{', '.join(proposer_names() + [NONE])}")
+    module, cls = PROPOSERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
