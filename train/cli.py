@@ -53,16 +53,18 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                        help="draft embedding init: PCA projection of the target's, or random")
     draft.add_argument("--loss", choices=("fkl", "tvd"), default="fkl",
                        help="forward KL(target||draft) or total variation distance (DistillSpec)")
-    gen = kinds.add_parser("selfgen", help="self-distillation set: the target answers chat prompts on the engine")
-    gen.add_argument("--target", required=True, help="target model: HF directory or .gguf file")
-    gen.add_argument("--out", required=True, help="output directory (shards; a rerun resumes)")
+    gen = kinds.add_parser("selfgen", help="grow a corpus of the target's own answers (token ids, kept in git)")
+    gen.add_argument("--target", default=None, help="target model: HF directory or .gguf file (default: the demo)")
+    gen.add_argument("--out", default="models/corpus/smollm2",
+                     help="corpus directory (manifest.json + shards; a rerun appends what is missing)")
     gen.add_argument("--max-minutes", type=float, required=True, help="generation budget")
     gen.add_argument("--max-tokens", type=int, default=192)
-    gen.add_argument("--top-k", type=int, default=20, help="log-probs kept per output position (<= 20)")
     gen.add_argument("--batch", type=int, default=48, help="sequences decoded together")
+    gen.add_argument("--shard-size", type=int, default=256, help="answers per shard")
+    gen.add_argument("--max-answers", type=int, default=None, help="stop after starting this many answers")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--passes", type=int, default=2,
-                     help="answers per prompt (pass 0 and 1 together: one greedy and one sampled answer each)")
+                     help="answers per prompt: pass 0 greedy, pass 1 at temperature 0.8, later passes at 1.0")
     gen.add_argument("--threads", type=int, default=None)
     sd = kinds.add_parser("selfdistill", help="distil a draft on a selfgen set (the target's own answers)")
     _add_common(sd, seq_len=512, lr=1e-3)
@@ -123,11 +125,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def _run_selfgen(args: argparse.Namespace) -> dict:
     import torch
 
-    from .selfgen import generate_set
+    from .selfgen import generate_answers
     if args.threads:
         torch.set_num_threads(args.threads)
-    return generate_set(args.target, args.out, args.max_minutes, max_tokens=args.max_tokens, top_k=args.top_k,
-                        batch=args.batch, seed=args.seed, passes=args.passes)
+    return generate_answers(args.target, args.out, args.max_minutes, max_tokens=args.max_tokens, batch=args.batch,
+                            shard_size=args.shard_size, seed=args.seed, passes=args.passes,
+                            max_answers=args.max_answers)
 
 
 def _int_list(text: str) -> list[int] | None:

