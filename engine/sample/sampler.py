@@ -86,7 +86,8 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors, counts: torch.Ten
     if st.any_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p
-        drop_sorted = mass_before >= st.top_p[:, None]  # the most likely token always has mass_before = 0: kept
+        drop_sorted = mass_before >= st.top_p[:, None]
+        drop_sorted[:, 0] = False  # the most likely token is always kept (a top_p that rounds to 0 in fp32 too)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if st.any_min_p:

@@ -97,6 +97,7 @@ def test_top_k_keeps_the_k_most_likely(top_k, kept):
 
 @pytest.mark.parametrize("top_p, kept", [
     (0.01, [2]),  # the most likely token is always kept, even when its own mass exceeds top_p
+    (5e-324, [2]),  # a top_p that is 0 in fp32 (found by the API fuzzer: it dropped every token)
     (0.49, [2]),
     (0.51, [2, 0]),  # 0.5 < 0.51: the next token is needed to reach top_p
     (0.79, [2, 0]),
