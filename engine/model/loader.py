@@ -142,6 +142,7 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEMO_DRAFT_DIR = "smollm2-draft"  # in models/: the draft distilled here for it (sub-vocabulary head)
 DEMO_MEDUSA_DIR = "smollm2-medusa"  # in models/: Medusa-1 heads trained here for it
 DEMO_DFLASH_DIR = "smollm2-dflash"  # in models/: a DFlash drafter trained here for it
+DEMO_EAGLE3_DIR = "smollm2-eagle3"  # the bundled EAGLE-3 drafter of the demo target
 
 
 def demo_target_gguf() -> Path | None:

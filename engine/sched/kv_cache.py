@@ -83,12 +83,12 @@ class KVPool:
         layers, kv_heads, head_dim = kv_geometry(config)
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)  # + the null block
         mappings: list = []
-        keys = [_zeroed(shape, dtype, device, mappings) for _ in range(layers)]
-        values = [_zeroed(shape, dtype, device, mappings) for _ in range(layers)]
+        keys = [zeroed(shape, dtype, device, mappings) for _ in range(layers)]
+        values = [zeroed(shape, dtype, device, mappings) for _ in range(layers)]
         return KVPool(keys, values, block_size, mappings)
 
 
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, mappings: list) -> torch.Tensor:
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, mappings: list) -> torch.Tensor:
     """A zero-filled tensor. On the CPU it lives in an anonymous memory mapping, whose pages the OS zero-fills
     on first touch: the pool costs resident memory only for the blocks actually written (torch.zeros would write
     every page at start). Never uninitialised memory: the null block and unwritten slots must read as zeros."""
@@ -99,3 +99,20 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, ma
                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mappings.append(buf)
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+
+def slot_table(block_ids: list[list[int]], starts: torch.Tensor, counts: torch.Tensor, block_size: int,
+               null_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat pool slots of positions starts[i] .. starts[i] + counts[i] - 1 of each sequence -> (slots [S, Q], real
+    [S, Q]) with Q = max(counts); padding (and any position past a sequence's blocks) reads the null block."""
+    width = int(counts.max()) if len(counts) else 0
+    pos = starts[:, None] + torch.arange(width)[None, :]  # [S, Q]
+    longest = max((len(b) for b in block_ids), default=0)
+    tables = torch.full((len(block_ids), longest + 1), null_block, dtype=torch.long)
+    for i, blocks in enumerate(block_ids):
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    real = (torch.arange(width)[None, :] < counts[:, None]) & (pos // block_size < longest)
+    block = tables.gather(1, (pos // block_size).clamp(0, longest))
+    real &= block != null_block
+    slots = torch.where(real, block * block_size + pos % block_size, torch.full_like(pos, null_block * block_size))
+    return slots, real

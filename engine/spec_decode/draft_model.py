@@ -16,9 +16,8 @@ from specserve.engine.model.loader import check_draft_compatible, check_model_pa
 from specserve.engine.model.runner import ModelRunner
 from specserve.engine.model.vocab_map import load_vocab_map
 from specserve.engine.request import Request
-from specserve.engine.sample.grammar import apply_bitmask, biased, fill_next_token_bitmask, words
-from specserve.engine.sample.sampler import SamplingTensors, exponential_noise, processed_probs, sample
 from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token
+from specserve.engine.spec_decode.draft_sampling import ChainSampler
 from specserve.engine.spec_decode.base import Proposal, ProposerBase, ProposerContext, ProposerNeeds, VerifiedRow
 
 
@@ -54,10 +53,7 @@ class DraftModelProposer(ProposerBase):
         self.runner = ModelRunner(self.model, kv, self.device, self.vocab_size, self.vocab_map)
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
-        num, k_max, vocab = len(requests), max(ks), self.vocab_size
-        token_ids = torch.full((num, k_max), -1, dtype=torch.long, device=self.device)  # [S, K]
-        probs = torch.zeros(num, k_max, vocab, device=self.device)  # [S, K, V]
-        st_all = SamplingTensors.from_params([r.params for r in requests], self.device, penalties=False)
+        chain = ChainSampler(requests, ks, self.vocab_size, self.device, default_generator)
         # catch-up forward: every token the draft has not seen yet; logits at each sequence's last token
         chunks, ids = [], []
         for req in requests:
@@ -67,50 +63,17 @@ class DraftModelProposer(ProposerBase):
             ids.extend(new)
         last_rows = torch.cumsum(torch.tensor([c.num_new for c in chunks]), 0) - 1
         logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), chunks, last_rows)  # [S, V]
-        active = list(range(num))
-        grammars = {a: r.grammar for a, r in enumerate(requests) if r.grammar is not None}
-        consumed = dict.fromkeys(grammars, 0)  # drafts each grammar request's matcher took (rolled back below)
-        counts = list(ks)  # a grammar request's proposal ends where its grammar is complete (nothing comes after)
-        for j in range(k_max):
-            idx = torch.tensor(active, device=self.device)
-            if any(requests[a].params.logit_bias for a in active):  # q sees the request's bias as p does
-                logits = biased(logits, [requests[a].params.logit_bias for a in active])
-            if grammars:  # q' = the draft's distribution under the same grammar state the target will see
-                logits = self._constrained(logits, active, grammars)
-            q = processed_probs(logits, _select(st_all, idx))  # [A, V]
-            if st_all.all_greedy:  # one-hot q: the argmax needs no noise (and greedy rows consume none)
-                drafted = q.argmax(dim=-1)
-            else:
-                noise = exponential_noise([requests[a].generator for a in active], vocab, default_generator,
-                                          self.device)
-                drafted = sample(q, noise)  # [A]
-            token_ids[idx, j] = drafted
-            probs[idx, j] = q
-            if grammars:
-                for a, tok in zip(active, drafted.tolist()):
-                    if a in grammars:
-                        consumed[a] += grammars[a].try_consume_tokens([tok])
-                        if consumed[a] <= j or grammars[a].is_stopped():
-                            counts[a] = j + 1
-            keep = [n for n, a in enumerate(active) if counts[a] > j + 1]
+        for j in range(max(ks)):
+            drafted = chain.draw(j, logits)
+            keep = chain.advance(j)
             if not keep:
                 break
-            active = [active[n] for n in keep]
-            chunks = [SeqChunk(requests[a].block_ids, len(requests[a].token_ids) + j, 1) for a in active]
+            chunks = [SeqChunk(requests[a].block_ids, len(requests[a].token_ids) + j, 1) for a in chain.active]
             keep_idx = torch.tensor(keep, device=self.device)
-            logits = self.runner.forward(drafted[keep_idx], chunks, torch.arange(len(active)))
-        for a, matcher in grammars.items():
-            matcher.rollback(consumed[a])
-        for req, k in zip(requests, counts):
+            logits = self.runner.forward(drafted[keep_idx], chunks, torch.arange(len(chain.active)))
+        for req, k in zip(requests, chain.counts):
             self._computed[req.request_id] = len(req.token_ids) + k - 1
-        return Proposal(token_ids, counts, probs)
-
-    def _constrained(self, logits: torch.Tensor, active: list[int], grammars: dict) -> torch.Tensor:
-        masks = torch.full((len(active), words(logits.shape[-1])), -1, dtype=torch.int32)
-        for n, a in enumerate(active):
-            if a in grammars:
-                fill_next_token_bitmask(grammars[a], masks, n)
-        return apply_bitmask(logits, masks)
+        return chain.proposal()
 
     def on_verified(self, requests: list[Request], rows: list[VerifiedRow]) -> None:
         for req in requests:  # valid draft K/V: every kept token but the newest, which the draft has not fed yet
@@ -132,9 +95,3 @@ class DraftModelProposer(ProposerBase):
     def on_free(self, request: Request) -> None:
         self._computed.pop(request.request_id, None)
 
-
-def _select(st: SamplingTensors, idx: torch.Tensor) -> SamplingTensors:
-    """Rows idx of every per-row tensor; host flags stay conservative (a superset of what the rows need)."""
-    fields = {name: getattr(st, name)[idx] if isinstance(getattr(st, name), torch.Tensor) else getattr(st, name)
-              for name in st.__dataclass_fields__}
-    return SamplingTensors(**fields)

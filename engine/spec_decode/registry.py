@@ -14,6 +14,7 @@ PROPOSERS = MappingProxyType({
     "ngram": "specserve.engine.spec_decode.ngram:NgramProposer",
     "medusa": "specserve.engine.spec_decode.medusa.proposer:MedusaProposer",
     "dflash": "specserve.engine.spec_decode.dflash.proposer:DFlashProposer",
+    "eagle3": "specserve.engine.spec_decode.eagle3.proposer:Eagle3Proposer",
 })
 ALIASES = MappingProxyType({"draft_model": "draft", "prompt_lookup": "ngram"})  # vLLM's and HF's names
 NONE = "none"

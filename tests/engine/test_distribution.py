@@ -99,7 +99,7 @@ def test_first_three_tokens_follow_target_law(pair, case):
     assert _p_value(*pair, CASES[case]) > 1e-3
 
 
-def test_law_check_fails_on_seed_002_resampling(pair, monkeypatch):
+def test_law_check_fails_on_resampling_from_the_target(pair, monkeypatch):
     monkeypatch.setattr("specserve.engine.sample.verifier.rejection_sample", _resample_from_target)
     assert _p_value(*pair, CASES["temperature_1"]) < 1e-6
 

@@ -18,6 +18,7 @@ from specserve.engine.sample.grammar import GrammarSpec, node_bitmasks
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.spec_decode.base import Proposal
 from specserve.engine.spec_decode.draft_model import DraftModelProposer
+from specserve.engine.spec_decode.draft_sampling import ChainSampler
 from tests.engine.helpers import make_core, run
 from tests.tiny_models import build_letter_tokenizer, save_llama
 
@@ -177,7 +178,7 @@ def test_sampled_output_under_a_grammar_follows_the_constrained_law(letters):
 def test_law_check_fails_when_a_sampled_draft_is_cut_at_its_first_forbidden_token(letters, monkeypatch):
     """The control: the draft samples from its unconstrained q and the proposal is cut where the grammar first
     refuses it. Verification then sees a q that is not what the kept tokens were drawn from: biased."""
-    monkeypatch.setattr(DraftModelProposer, "_constrained", lambda self, logits, active, grammars: logits)
+    monkeypatch.setattr(ChainSampler, "_constrained", lambda self, logits: logits)
     propose = DraftModelProposer.propose
 
     def cut(self, requests, ks, generator):

@@ -147,7 +147,7 @@ def test_cli_type_error_names_the_flag(capsys):
         parse("--port", "abc")
     assert "--port" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse("--speculative-method", "eagle3")
+        parse("--speculative-method", "lookahead")
     assert "--speculative-method" in capsys.readouterr().err
 
 
@@ -197,7 +197,7 @@ def test_invalid_values_are_rejected_by_the_schema(tmp_path, field, value):
             build_config(args, env)
 
 
-@pytest.mark.parametrize("field, value", [("log_level", "loud"), ("speculative_method", "eagle3")])
+@pytest.mark.parametrize("field, value", [("log_level", "loud"), ("speculative_method", "lookahead")])
 def test_invalid_choices_from_env_and_yaml_are_rejected(tmp_path, field, value):
     """log_level by the schema; method names by the engine's registry (the config does not import the engine),
     which the CLI runs before the server listens."""
@@ -230,12 +230,12 @@ def test_unknown_or_repeated_methods_are_refused_before_anything_loads(tmp_path,
     from specserve.server.cli import main
 
     with pytest.raises(SystemExit):
-        main(["serve", "--model", str(tmp_path), "--speculative-method", "eagle3"])
-    with pytest.raises(ValueError, match="^speculative_method: unknown speculative method 'eagle3'"):
-        check_methods(build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "eagle3"}).engine)
-    with mock.patch.dict(os.environ, {"SPECSERVE_SPECULATIVE_METHOD": "eagle3"}):
+        main(["serve", "--model", str(tmp_path), "--speculative-method", "lookahead"])
+    with pytest.raises(ValueError, match="^speculative_method: unknown speculative method 'lookahead'"):
+        check_methods(build_config(None, {"SPECSERVE_SPECULATIVE_METHOD": "lookahead"}).engine)
+    with mock.patch.dict(os.environ, {"SPECSERVE_SPECULATIVE_METHOD": "lookahead"}):
         assert main(["serve", "--model", str(tmp_path)]) == 2
-    assert "speculative_method: unknown speculative method 'eagle3'" in capsys.readouterr().err
+    assert "speculative_method: unknown speculative method 'lookahead'" in capsys.readouterr().err
     cfg = '[{"method": "ngram"}, {"method": "prompt_lookup"}]'
     assert main(["serve", "--model", str(tmp_path), "--speculative-config", cfg]) == 2
     assert "speculative_config.method: method 'ngram' is listed twice" in capsys.readouterr().err
