@@ -1,4 +1,5 @@
-"""`specserve train target|draft|selfgen|selfdistill|medusa|dflash`: argument parsing and dispatch; no server imports.
+"""`specserve train target|draft|selfgen|selfdistill|medusa|dflash|eagle3`: argument parsing and dispatch; no
+server imports.
 
 Also runnable directly: `python -m specserve.train.cli target --out models/demo-target ...`.
 """
@@ -118,6 +119,16 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     df.add_argument("--vocab-map", default=None,
                     help="vocab_map.safetensors (int64 d2t) restricting the LM head to those target ids")
     df.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: the target's)")
+    e3 = kinds.add_parser("eagle3", help="an EAGLE-3 drafter on the kept corpus (frozen target, training-time test)")
+    _add_common(e3, seq_len=512, lr=1e-3)
+    e3.add_argument("--model", "--target", dest="target", default=None,
+                    help="target model: HF directory or .gguf file (default: the demo target)")
+    e3.add_argument("--data", default="models/corpus/smollm2", help="the corpus (or an older selfgen directory)")
+    e3.add_argument("--ttt-steps", type=int, default=4, help="training-time test: steps the drafter is unrolled")
+    e3.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
+    e3.add_argument("--layer-ids", default="",
+                    help="the 3 target layers read, as HF hidden_states indices (default: 2, N//2, N-3)")
+    e3.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
     train.set_defaults(func=run_train)
     return train
 
@@ -164,6 +175,13 @@ def run_train(args: argparse.Namespace) -> dict:
                             num_anchors=args.num_anchors, gamma=args.gamma, init_layers=_int_list(args.init_layers),
                             vocab_map=args.vocab_map, intermediate_size=args.intermediate_size or None,
                             max_len=args.seq_len)
+    if args.train_kind == "eagle3":
+        from specserve.engine.model.loader import demo_model_paths
+
+        from .eagle3 import train_eagle3
+        target = args.target or str(demo_model_paths()[0])
+        return train_eagle3(target, args.data, args.out, cfg, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                            layer_ids=_int_list(args.layer_ids), max_len=args.seq_len, batch_tokens=args.batch_tokens)
     model_kwargs = dict(num_layers=args.num_layers, hidden=args.hidden_size,
                         intermediate=args.intermediate_size, heads=args.num_heads,
                         kv_heads=args.num_kv_heads)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from specserve.engine.model.hidden import decoder_layers, final_norm
+from specserve.engine.model.hidden import FINAL, decoder_layers, final_norm
 from specserve.engine.model.loader import load_tokenizer
 from specserve.engine.model.vocab_map import FILE_NAME as VOCAB_MAP_FILE
 from specserve.engine.model.vocab_map import VocabMap
@@ -47,6 +46,7 @@ from specserve.engine.spec_decode.dflash.model import (
 from .loop import TrainConfig, compute_autocast, default_ckpt_dir, run_loop, setup_runtime, train_dtype
 from .medusa import lm_head_weight, load_target
 from .selfdistill import load_set, split_by_prompt
+from .teacher import teacher_forward
 
 IGNORE = -100
 EVAL_SEED = 1234  # held-out anchors: the same before and after training, and across runs
@@ -199,57 +199,14 @@ def make_batch(seqs: list[Sequence], anchors: list[list[int]], block_size: int, 
 
 # -- target features --------------------------------------------------------------------------------------------------
 
-def _length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices sorted by length, grouped so that (group size x longest) stays within `batch_tokens`."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[i] <= batch_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
-@torch.no_grad()
 def cache_features(target, records: list[dict], layer_ids: list[int], batch_tokens: int = 4096
                    ) -> list[torch.Tensor]:
     """Per record, the teacher-forced features [n, len(layer_ids) * H] bf16: HF's hidden_states[i + 1] (z-lab's
     definition: decoder-layer outputs, except that layer L - 1's is the final norm's output — what the server's
-    DFlash proposer taps too), captured by forward hooks, concatenated in `layer_ids` order. Several sequences per
-    forward, right-padded (causal: the real rows are exact)."""
-    stack = decoder_layers(target)
-    last = len(stack) - 1
-    captured: dict[int, torch.Tensor] = {}
-
-    def hook(layer: int):
-        def fn(module, args, output):
-            captured[layer] = output[0] if isinstance(output, tuple) else output
-        return fn
-    handles = [(final_norm(target) if i == last else stack[i]).register_forward_hook(hook(i))
-               for i in sorted(set(layer_ids))]
-    seqs = [record_ids(r) for r in records]
-    out: list[torch.Tensor | None] = [None] * len(records)
-    t0 = time.time()
-    try:
-        for group in _length_groups([len(s) for s in seqs], batch_tokens):
-            longest = max(len(seqs[i]) for i in group)
-            ids = torch.zeros(len(group), longest, dtype=torch.long)
-            mask = torch.zeros(len(group), longest, dtype=torch.long)
-            for row, i in enumerate(group):
-                ids[row, : len(seqs[i])], mask[row, : len(seqs[i])] = seqs[i], 1
-            captured.clear()
-            with compute_autocast():
-                target.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
-            feats = torch.cat([captured[i] for i in layer_ids], dim=-1)  # [G, longest, nH]
-            for row, i in enumerate(group):
-                out[i] = feats[row, : len(seqs[i])].to(torch.bfloat16).clone()
-    finally:
-        for h in handles:
-            h.remove()
-    print(f"[dflash] cached features of {len(records)} sequences ({sum(len(s) for s in seqs)} tokens, layers "
-          f"{layer_ids}) in {time.time() - t0:.0f}s", flush=True)
-    return out
+    DFlash proposer taps too), concatenated in `layer_ids` order (train/teacher.py)."""
+    last = len(decoder_layers(target)) - 1
+    taps = [FINAL if i == last else i for i in layer_ids]
+    return [r["hidden"] for r in teacher_forward(target, records, taps, 0, batch_tokens, compute_autocast(), "dflash")]
 
 
 def cache_key(target_path: str, records: list[dict], layer_ids: list[int]) -> str:
@@ -469,7 +426,7 @@ def train_dflash(target_path: str, data: str | Path | list[dict], out: str | Pat
     for p in target.parameters():
         p.requires_grad_(False)
     tcfg = target.config
-    records = data if isinstance(data, list) else load_set(data, max_len)
+    records = data if isinstance(data, list) else load_set(data, max_len, target, target_path, ckpt_dir)
     records = [r for r in records if len(r["output_ids"]) > 0]
     train_recs, held_recs = _split(records)
     if not train_recs:

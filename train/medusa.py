@@ -186,10 +186,10 @@ def train_stage1(target_path: str, data: str | Path | list[dict], out: str | Pat
     target = load_target(target_path, torch.bfloat16).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    records = data if isinstance(data, list) else load_set(data, max_len)
-    train_recs, held_recs = _split(records)
     ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else default_ckpt_dir("medusa", out)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
+    records = data if isinstance(data, list) else load_set(data, max_len, target, target_path, ckpt_dir)
+    train_recs, held_recs = _split(records)
     cache_path = ckpt_dir / f"hidden-{_cache_key(target_path, records)}.pt"
     if cache_path.exists():
         cached = torch.load(cache_path)
@@ -278,12 +278,12 @@ def train_stage2(target_path: str, data: str | Path | list[dict], out: str | Pat
     setup_runtime(cfg)
     target = load_target(target_path, torch.float32)
     tokenizer = load_tokenizer(target_path)
-    records = data if isinstance(data, list) else load_set(data, max_len)
+    ckpt_root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else default_ckpt_dir("medusa2", out)
+    records = data if isinstance(data, list) else load_set(data, max_len, target, target_path, ckpt_root)
     train_recs, held_recs = _split(records)
     hidden, vocab = target.config.hidden_size, target.config.vocab_size
     heads = load_heads(init_heads, hidden, vocab)[0] if init_heads else MedusaHeads(num_heads, num_layers, hidden)
     joint = _Joint(target, heads)
-    ckpt_root = Path(cfg.ckpt_dir) if cfg.ckpt_dir else default_ckpt_dir("medusa2", out)
 
     def batch(step: int):
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)

@@ -17,6 +17,7 @@ from specserve.engine.model.vocab_map import VocabMap, load_vocab_map, save_voca
 
 from .distill import draft_config, project_embeddings
 from .loop import TrainConfig, compute_autocast, default_ckpt_dir, export_hf, run_loop, setup_runtime
+from .teacher import load_records, with_top_k
 
 
 @dataclass
@@ -27,12 +28,16 @@ class SeqBatch:
     num_tokens: int
 
 
-def load_set(directory: str | Path, max_len: int) -> list[dict]:
-    records = [r for shard in sorted(Path(directory).glob("shard_*.pt")) for r in torch.load(shard)]
-    records = [r for r in records if len(r["prompt_ids"]) + len(r["output_ids"]) <= max_len]
-    if not records:
-        raise ValueError(f"data: no self-distillation shards with sequences <= {max_len} tokens in {directory}")
-    return sorted(records, key=lambda r: r["index"])
+def load_set(directory: str | Path, max_len: int, target=None, target_path: str = "",
+             cache_dir: Path | None = None) -> list[dict]:
+    """The answers (train/teacher.py) with the target's top-k at every answer position: stored in an older selfgen
+    set, computed teacher-forced by `target` for the kept corpus."""
+    records = load_records(directory, max_len)
+    if target is not None:
+        records = with_top_k(records, target, target_path, cache_dir or Path(directory), autocast=compute_autocast())
+    elif any("top_ids" not in r for r in records):
+        raise ValueError(f"data: {directory} stores token ids only; the target's top-k needs the target")
+    return records
 
 
 def frequent_tokens(records: list[dict], size: int, always: list[int]) -> torch.Tensor:
@@ -126,7 +131,7 @@ def train_selfdistill(target_path: str, data: str | Path, out: str | Path, cfg: 
     setup_runtime(cfg)
     tokenizer = load_tokenizer(target_path)
     target = load_model(target_path, torch.float32, torch.device("cpu"))
-    records = load_set(data, max_len)
+    records = load_set(data, max_len, target, target_path, ckpt_dir)
     train, heldout = split_by_prompt(records, 30)
     vocab = target.config.vocab_size
     eos = target.generation_config.eos_token_id
