@@ -176,7 +176,7 @@ def _batches(items: list[tuple[dict, dict]], t2d: torch.Tensor, batch_tokens: in
 
 def train_eagle3(target_path: str, data: str | Path, out: str | Path, cfg: TrainConfig, ttt_steps: int = 4,
                  draft_vocab: int = 8192, layer_ids: list[int] | None = None, max_len: int = 512,
-                 top_k: int = 20, batch_tokens: int = 2048) -> dict:
+                 top_k: int = 20, batch_tokens: int = 2048, max_sequences: int | None = None) -> dict:
     """Trains and exports (speculators format) an EAGLE-3 drafter; writes train_summary.json with the held-out
     report before and after training."""
     if ttt_steps < 1:
@@ -189,7 +189,7 @@ def train_eagle3(target_path: str, data: str | Path, out: str | Path, cfg: Train
     for p in target.parameters():
         p.requires_grad_(False)
     layer_ids = layer_ids or default_layer_ids(target.config.num_hidden_layers)
-    records = [r for r in load_records(data, max_len) if len(r["output_ids"]) > 1]
+    records = [r for r in load_records(data, max_len) if len(r["output_ids"]) > 1][:max_sequences]
     teacher = cached_teacher(target, target_path, records, [i - 1 for i in layer_ids], top_k, ckpt_dir,
                              compute_autocast(), "eagle3 teacher")
     train_recs, held_recs = split_by_prompt(records, 16)
@@ -215,14 +215,14 @@ def train_eagle3(target_path: str, data: str | Path, out: str | Path, cfg: Train
     summary = run_loop(drafter, ttt_loss(drafter, embed, ttt_steps), batch, held[:4], cfg, ckpt_dir, "eagle3")
     drafter.eval()
     after = heldout_report(drafter, embed, held, ttt_steps)
-    coverage = sum(int(b.scored.sum()) for b in held) / max(1, sum(
-        int((torch.arange(b.tokens.shape[1])[None] < b.lengths[:, None] - 1).sum()) for b in held))
+    answer_positions = sum(len(r["output_ids"]) for r, _ in held_items)
+    coverage = sum(int(b.scored.sum()) for b in _batches(held_items, t2d, batch_tokens)) / max(1, answer_positions)
     greedy = heldout_report(drafter, embed, held_greedy, ttt_steps) if held_greedy else None
     save_drafter(drafter.to(torch.bfloat16), out, str(target_path))
     summary |= {"target": str(target_path), "layer_ids": layer_ids, "ttt_steps": ttt_steps,
                 "draft_vocab": len(ids), "train_sequences": len(train_items), "heldout_sequences": len(held_items),
                 "train_answer_tokens": sum(len(r["output_ids"]) for r, _ in train_items),
                 "heldout_untrained": before, "heldout_trained": after, "heldout_greedy_trained": greedy,
-                "heldout_positions_in_draft_vocab_and_scored": round(coverage, 4)}
+                "heldout_answer_positions_in_draft_vocab": round(coverage, 4)}
     (Path(out) / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return summary
