@@ -5,6 +5,7 @@ the within-repeat ratio to plain decoding. Prints JSON (stdout or --out) and a m
 `python -m bench.methods --max-tokens 96 --repeats 2 --out methods.json`
 `python -m bench.methods --medusa --concurrency 1,4,16` (Medusa heads too; c prompts per generate() call)
 `python -m bench.methods --medusa --dflash --workloads chat --concurrency 1,4,8,16` (and the DFlash drafter)
+`python -m bench.methods --medusa --dflash --eagle3 --k auto` (and the EAGLE-3 drafter)
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dflash-model", default=None, help="a DFlash drafter directory (implies --dflash)")
     ap.add_argument("--dflash-k", type=parse_k, default="auto",
                     help="num_speculative_tokens of dflash: an integer <= block size - 1, or auto (within the block)")
+    ap.add_argument("--eagle3", action="store_true",
+                    help="also load an EAGLE-3 drafter (--eagle3-model, else the demo target's bundled one)")
+    ap.add_argument("--eagle3-model", default=None, help="an EAGLE-3 drafter directory (implies --eagle3)")
     ap.add_argument("--concurrency", default="1",
                     help="comma-separated levels: at level c the prompts (cycled to a multiple of c) go c per "
                          "generate() call and decode together")
@@ -88,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.medusa = args.medusa or args.medusa_heads is not None
     args.dflash = args.dflash or args.dflash_model is not None
+    args.eagle3 = args.eagle3 or args.eagle3_model is not None
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     args.workloads = [w.strip() for w in str(args.workloads).split(",") if w.strip()]
     if not args.workloads or set(args.workloads) - {"chat", "grounded"}:
@@ -186,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dflash:  # like medusa's, its auto ranges over the whole block
         config.append({"method": "dflash", "num_speculative_tokens": args.dflash_k}
                       | ({"model": args.dflash_model} if args.dflash_model else {}))
+    if args.eagle3:  # a chain like the draft model's: the same k
+        config.append({"method": "eagle3", "num_speculative_tokens": args.k}
+                      | ({"model": args.eagle3_model} if args.eagle3_model else {}))
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
               kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,
               max_speculative_tokens=args.max_k)
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     workloads = {"chat": ([chat(q) for q in questions], [None] * len(questions)),
                  "grounded": ([chat(t) for t, _ in tasks], [p for _, p in tasks])}
     workloads = {w: workloads[w] for w in args.workloads}
-    loaded = [m for m in ("draft", "ngram", "medusa", "dflash") if m in llm.engine.proposers]
+    loaded = [m for m in ("draft", "ngram", "medusa", "dflash", "eagle3") if m in llm.engine.proposers]
     info = machine_info(llm.engine.device)
     info["loadavg_start"] = list(os.getloadavg())
     llm.generate(next(iter(workloads.values()))[0][0], SamplingParams(max_tokens=8))  # warm-up
