@@ -34,7 +34,7 @@ HELP: dict[str, tuple[str, str | None]] = {
                     "drafter's directory", "the bundled demo draft (or demo drafter) when --model is unset"),
     "speculative_method": ("speculation method: draft | ngram | medusa | dflash | eagle3 | none "
                            "(engine/spec_decode/registry.py)",
-                           "draft when a draft model exists, else none"),
+                           "eagle3 on the demo target, draft when --draft-model is given, else none"),
     "num_speculative_tokens": ("k, tokens proposed and verified per step: auto (adapts per request and step to "
                                "what pays, within [0, --max-speculative-tokens]), an integer (fixed), 0 (off)", None),
     "max_speculative_tokens": ("the largest k that auto may choose", None),

@@ -6,6 +6,10 @@ import json
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
+# The demo target's default method: the best measured on it (docs/benchmarks.md, "EAGLE-3 vs the other methods":
+# the highest acceptance on held-out chat and 1.51x plain at 4 streams; the draft model's is what a --draft-model
+# without a method gets)
+DEMO_METHOD = "eagle3"
 AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/spec_decode/adaptive.py)
 
 
@@ -106,7 +110,8 @@ def parse_speculative_config(text: str, max_speculative_tokens: int = 4) -> tupl
 class EngineConfig:
     model: str | None = None  # HF directory, hub id or .gguf file; None: the demo target (SmolLM2 GGUF)
     draft_model: str | None = None  # None with model=None: the bundled demo draft
-    speculative_method: str | None = None  # a registry name or "none"; None: "draft" when a draft model is given
+    speculative_method: str | None = None  # a registry name or "none"; None: "draft" with a draft model, the demo
+    # target's DEMO_METHOD without one
     num_speculative_tokens: int | str = AUTO  # "auto": k adapts per request and step; an int fixes it; 0: off
     max_speculative_tokens: int = 4  # the ceiling of "auto" (and the KV sizing for it)
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
@@ -172,8 +177,10 @@ class EngineConfig:
         if self.num_speculative_tokens == 0:
             return ()
         method = self.speculative_method
-        if method is None:
-            method = "draft" if self.draft_model is not None or self.model is None else "none"
+        if method is None and self.model is None and self.draft_model is None:
+            method = DEMO_METHOD
+        elif method is None:
+            method = "draft" if self.draft_model is not None else "none"
         if method.strip().lower() == "none":
             return ()
         return (SpeculativeMethodConfig(method, self.draft_model, self.num_speculative_tokens,

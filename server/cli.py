@@ -13,7 +13,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="draft model sharing the target's tokenizer (default: bundled demo draft)")
     from specserve.engine.spec_decode.registry import method_choices
     p.add_argument("--speculative-method", choices=method_choices(), type=str.lower,
-                   help="default: draft when a draft exists")
+                   help="default: eagle3 on the demo target, draft when --draft-model is given")
     from specserve.config.schema import parse_k
     p.add_argument("--num-speculative-tokens", type=parse_k, default="auto",
                    help="k: auto (adapts per step, the default), an integer (fixed) or 0 (off)")

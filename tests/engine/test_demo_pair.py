@@ -88,7 +88,7 @@ def test_cli_generate_without_model_flags_offline():
                            "--kv-cache-memory", str(64 << 20), "The capital of France is"], capture_output=True,
                           text=True, timeout=300, env=OFFLINE)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("The capital of France is") and "method=draft" in proc.stderr
+    assert proc.stdout.startswith("The capital of France is") and "method=eagle3" in proc.stderr  # the demo default
 
 
 def test_serve_without_the_demo_package_says_how_to_install(monkeypatch, capsys):

