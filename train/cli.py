@@ -129,6 +129,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     e3.add_argument("--layer-ids", default="",
                     help="the 3 target layers read, as HF hidden_states indices (default: 2, N//2, N-3)")
     e3.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
+    e3.add_argument("--max-sequences", type=int, default=None, help="use only the first N answers (a quick run)")
     train.set_defaults(func=run_train)
     return train
 
@@ -181,7 +182,8 @@ def run_train(args: argparse.Namespace) -> dict:
         from .eagle3 import train_eagle3
         target = args.target or str(demo_model_paths()[0])
         return train_eagle3(target, args.data, args.out, cfg, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
-                            layer_ids=_int_list(args.layer_ids), max_len=args.seq_len, batch_tokens=args.batch_tokens)
+                            layer_ids=_int_list(args.layer_ids), max_len=args.seq_len, batch_tokens=args.batch_tokens,
+                            max_sequences=args.max_sequences)
     model_kwargs = dict(num_layers=args.num_layers, hidden=args.hidden_size,
                         intermediate=args.intermediate_size, heads=args.num_heads,
                         kv_heads=args.num_kv_heads)

@@ -57,7 +57,7 @@ def length_groups(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def teacher_forward(target, records: list[dict], taps: list[int], top_k: int = 0, batch_tokens: int = 4096,
+def teacher_forward(target, records: list[dict], taps: list[int], top_k: int = 0, batch_tokens: int = 2048,
                     autocast=None, desc: str = "teacher") -> list[dict]:
     """Per record: {"hidden": [n, len(taps) * H] bf16 (taps concatenated in order), and with top_k > 0
     "top_ids" [n, k] int32 / "top_logprobs" [n, k] fp16 of the target's next-token distribution at every

@@ -17,8 +17,8 @@ from specserve.engine.model.runner import ModelRunner
 from specserve.engine.model.vocab_map import load_vocab_map
 from specserve.engine.request import Request
 from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token
-from specserve.engine.spec_decode.draft_sampling import ChainSampler
 from specserve.engine.spec_decode.base import Proposal, ProposerBase, ProposerContext, ProposerNeeds, VerifiedRow
+from specserve.engine.spec_decode.draft_sampling import ChainSampler
 
 
 class DraftModelProposer(ProposerBase):
