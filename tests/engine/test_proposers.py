@@ -57,7 +57,7 @@ def test_unknown_or_unloaded_method_is_an_error_naming_the_field(tiny):
         core.make_request("a", "hi", SamplingParams(speculative_method="ngram"))
     assert err.value.param == "speculative_method" and "draft" in err.value.message
     with pytest.raises(ValueError, match="^speculative_method: unknown"):
-        make_core(tiny["llama"], speculative_method="eagle3")
+        make_core(tiny["llama"], speculative_method="lookahead")
     with pytest.raises(ValueError, match="^speculative_config.method: method 'ngram' is listed twice"):
         make_core(tiny["llama"], speculative_config='[{"method": "ngram"}, {"method": "prompt_lookup"}]')
 
