@@ -6,9 +6,9 @@ import json
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
-# The demo target's default method: the best measured on it (docs/benchmarks.md, "EAGLE-3 vs the other methods":
-# the highest acceptance on held-out chat and 1.51x plain at 4 streams; the draft model's is what a --draft-model
-# without a method gets)
+# The demo target's default method: the best measured on it (docs/benchmarks.md, "EAGLE-3 vs the other
+# methods": the highest acceptance of the learned proposers on held-out chat, 1.51x plain at 4 streams). A
+# --draft-model without a method gets the draft model.
 DEMO_METHOD = "eagle3"
 AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/spec_decode/adaptive.py)
 
