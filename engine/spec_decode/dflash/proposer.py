@@ -22,7 +22,7 @@ import torch
 
 from specserve.config.schema import SpeculativeMethodConfig
 from specserve.engine.model.hidden import FINAL
-from specserve.engine.model.loader import DEMO_DFLASH_DIR, demo_target_gguf, models_dir
+from specserve.engine.model.loader import DEMO_DFLASH_DIR, bundled_for_demo
 from specserve.engine.request import Request
 from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token
 from specserve.engine.spec_decode.base import (
@@ -45,9 +45,8 @@ def drafter_directory(cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> Pat
         if not path.is_dir():
             raise FileNotFoundError(f"draft_model: no DFlash drafter directory at {cfg.model}")
         return path
-    demo = demo_target_gguf()
-    bundled = models_dir() / DEMO_DFLASH_DIR
-    if demo is not None and Path(ctx.target_path).expanduser().resolve() == demo.resolve() and bundled.is_dir():
+    bundled = bundled_for_demo(ctx.target_path, DEMO_DFLASH_DIR)
+    if bundled is not None and bundled.is_dir():
         return bundled
     raise ValueError("draft_model: speculative method 'dflash' needs a drafter: pass --draft-model DIR (a DFlash "
                      "checkpoint; train one with `specserve train dflash`)")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specserve.config.schema import SpeculativeMethodConfig
-from specserve.engine.model.loader import DEMO_EAGLE3_DIR, demo_target_gguf, models_dir
+from specserve.engine.model.loader import DEMO_EAGLE3_DIR, bundled_for_demo
 from specserve.engine.request import Request
 from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token, slot_table, zeroed
 from specserve.engine.spec_decode.base import HiddenChunk, Proposal, ProposerBase, ProposerContext, ProposerNeeds
@@ -36,9 +36,8 @@ def drafter_directory(cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> Pat
             raise ValueError(f"draft_model: {cfg.model} is not a directory (an EAGLE-3 drafter: config.json + "
                              "model.safetensors)")
         return path
-    demo = demo_target_gguf()
-    bundled = models_dir() / DEMO_EAGLE3_DIR
-    if demo is not None and Path(ctx.target_path).expanduser().resolve() == demo.resolve() and bundled.is_dir():
+    bundled = bundled_for_demo(ctx.target_path, DEMO_EAGLE3_DIR)
+    if bundled is not None and bundled.is_dir():
         return bundled
     raise ValueError("draft_model: speculative method 'eagle3' needs a drafter: pass --draft-model DIR (the "
                      "speculators format or the EAGLE authors'; train one with `specserve train eagle3`)")
@@ -105,6 +104,8 @@ class Eagle3Proposer(ProposerBase):
 
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
         live = [i for i, r in enumerate(requests) if self._feat.get(r.request_id, 0) >= len(r.token_ids) - 1 > 0]
+        if len(live) == len(requests):  # the usual case: no second [S, K, V] buffer
+            return self._draft(requests, ks, default_generator)
         ids = torch.full((len(requests), max(ks)), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(len(requests), max(ks), self.vocab_size, device=self.device)
         counts = [0] * len(requests)

@@ -18,7 +18,7 @@ import torch
 
 from specserve.config.schema import SpeculativeMethodConfig
 from specserve.engine.model.hidden import FINAL
-from specserve.engine.model.loader import DEMO_MEDUSA_DIR, demo_target_gguf, models_dir
+from specserve.engine.model.loader import DEMO_MEDUSA_DIR, bundled_for_demo
 from specserve.engine.request import Request
 from specserve.engine.spec_decode.base import (
     HiddenChunk,
@@ -42,9 +42,9 @@ def heads_directory(cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> Path:
     target = Path(ctx.target_path).expanduser()
     if target.is_dir() and find_heads(target) is not None:
         return target
-    demo = demo_target_gguf()
-    if demo is not None and target.resolve() == demo.resolve() and find_heads(models_dir() / DEMO_MEDUSA_DIR):
-        return models_dir() / DEMO_MEDUSA_DIR
+    bundled = bundled_for_demo(target, DEMO_MEDUSA_DIR)
+    if bundled is not None and find_heads(bundled):
+        return bundled
     raise ValueError(f"medusa_heads: speculative method 'medusa' needs heads: none in {ctx.target_path}; pass "
                      "--medusa-heads DIR (train them with `specserve train medusa`)")
 
