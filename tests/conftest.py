@@ -24,3 +24,12 @@ def tiny(tmp_path_factory):
         "gpt2": save_gpt2(root / "gpt2", tok_dir, vocab, layers=2, seed=2),
         "gpt2_draft": save_gpt2(root / "gpt2_draft", tok_dir, vocab, layers=1, hidden=32, heads=2, seed=3),
     }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _training_cache(tmp_path_factory):
+    """Training's recomputable caches (checkpoints, teacher stores) go to a temporary directory, never ~/.cache."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPECSERVE_CACHE", str(tmp_path_factory.mktemp("specserve-cache")))
+    yield
+    patch.undo()

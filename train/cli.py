@@ -1,4 +1,4 @@
-"""`specserve train target|draft|selfgen|selfdistill|medusa|dflash|eagle3`: argument parsing and dispatch; no
+"""`specserve train target|draft|selfgen|teacher|selfdistill|medusa|dflash|eagle3`: argument parsing and dispatch; no
 server imports.
 
 Also runnable directly: `python -m specserve.train.cli target --out models/demo-target ...`.
@@ -93,7 +93,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     help="1: heads on the frozen target; 2: heads warm-up, then joint training (writes a new target)")
     md.add_argument("--medusa-num-heads", type=int, default=4)
     md.add_argument("--medusa-num-layers", type=int, default=1, help="ResBlocks per head")
-    md.add_argument("--init-heads", default=None, help="stage 2: start from these stage-1 heads (no warm-up)")
+    md.add_argument("--init-heads", default=None,
+                    help="start from these exported heads (stage 1: continue training; stage 2: no warm-up)")
     md.add_argument("--head-warmup-steps", type=int, default=50, help="stage 2: heads-only steps before joint")
     md.add_argument("--base-lr-scale", type=float, default=0.1, help="stage 2: the base's lr as a multiple of --lr")
     md.add_argument("--lm-loss-weight", type=float, default=1.0, help="stage 2: weight of the base's own LM loss")
@@ -119,6 +120,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     df.add_argument("--vocab-map", default=None,
                     help="vocab_map.safetensors (int64 d2t) restricting the LM head to those target ids")
     df.add_argument("--intermediate-size", type=int, default=0, help="drafter MLP width (default: the target's)")
+    df.add_argument("--init-drafter", default=None,
+                    help="continue from an exported drafter (its shape, context layers and vocabulary map)")
     e3 = kinds.add_parser("eagle3", help="an EAGLE-3 drafter on the kept corpus (frozen target, training-time test)")
     _add_common(e3, seq_len=512, lr=1e-3)
     e3.add_argument("--model", "--target", dest="target", default=None,
@@ -130,6 +133,19 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                     help="the 3 target layers read, as HF hidden_states indices (default: 2, N//2, N-3)")
     e3.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per training batch")
     e3.add_argument("--max-sequences", type=int, default=None, help="use only the first N answers (a quick run)")
+    e3.add_argument("--init-drafter", default=None,
+                    help="continue from an exported drafter (its weights and draft vocabulary)")
+    e3.add_argument("--curve-every", type=int, default=0,
+                    help="every N training tokens, the held-out report (acceptance against data seen)")
+    tt = kinds.add_parser("teacher", help="fill the per-shard teacher store once for every trainer (taps, top-k)")
+    tt.add_argument("--model", "--target", dest="target", default=None,
+                    help="target model: HF directory or .gguf file (default: the demo target)")
+    tt.add_argument("--data", default="models/corpus/smollm2", help="the corpus")
+    tt.add_argument("--taps", default="1,8,14,20,26,27,-1",
+                    help="decoder-layer outputs to keep (-1: the final norm's); the default covers the demo's "
+                         "EAGLE-3 (1, 14, 26), DFlash (1, 8, 14, 20, 27) and Medusa (-1)")
+    tt.add_argument("--top-k", type=int, default=20)
+    tt.add_argument("--threads", type=int, default=None)
     train.set_defaults(func=run_train)
     return train
 
@@ -145,6 +161,21 @@ def _run_selfgen(args: argparse.Namespace) -> dict:
                             max_answers=args.max_answers)
 
 
+def _run_teacher(args: argparse.Namespace) -> dict:
+    import torch
+
+    from specserve.engine.model.loader import demo_model_paths
+
+    from .loop import compute_autocast
+    from .medusa import load_target
+    from .teacher import precompute
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target_path = args.target or str(demo_model_paths()[0])
+    target = load_target(target_path, torch.bfloat16).eval()
+    return precompute(target, target_path, args.data, _int_list(args.taps) or [], args.top_k, compute_autocast())
+
+
 def _int_list(text: str) -> list[int] | None:
     """"1,4,7" -> [1, 4, 7]; empty -> None."""
     return [int(x) for x in text.split(",") if x.strip()] or None
@@ -155,6 +186,8 @@ def run_train(args: argparse.Namespace) -> dict:
 
     if args.train_kind == "selfgen":
         return _run_selfgen(args)
+    if args.train_kind == "teacher":
+        return _run_teacher(args)
     cfg = TrainConfig(steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                       warmup_steps=args.warmup_steps, seed=args.seed, max_minutes=args.max_minutes,
                       threads=args.threads, auto_threads=args.auto_threads,
@@ -164,7 +197,7 @@ def run_train(args: argparse.Namespace) -> dict:
         common = dict(num_heads=args.medusa_num_heads, num_layers=args.medusa_num_layers, max_len=args.seq_len,
                       choose=not args.no_tree)
         if args.stage == 1:
-            return train_stage1(args.target, args.data, args.out, cfg, **common)
+            return train_stage1(args.target, args.data, args.out, cfg, init_heads=args.init_heads, **common)
         return train_stage2(args.target, args.data, args.out, cfg, init_heads=args.init_heads,
                             warmup_steps=args.head_warmup_steps, base_lr_scale=args.base_lr_scale,
                             lm_weight=args.lm_loss_weight, **common)
@@ -175,7 +208,7 @@ def run_train(args: argparse.Namespace) -> dict:
                             num_context_layers=args.num_context_layers or None, mask_token_id=args.mask_token_id,
                             num_anchors=args.num_anchors, gamma=args.gamma, init_layers=_int_list(args.init_layers),
                             vocab_map=args.vocab_map, intermediate_size=args.intermediate_size or None,
-                            max_len=args.seq_len)
+                            max_len=args.seq_len, init_drafter=args.init_drafter)
     if args.train_kind == "eagle3":
         from specserve.engine.model.loader import demo_model_paths
 
@@ -183,7 +216,8 @@ def run_train(args: argparse.Namespace) -> dict:
         target = args.target or str(demo_model_paths()[0])
         return train_eagle3(target, args.data, args.out, cfg, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                             layer_ids=_int_list(args.layer_ids), max_len=args.seq_len, batch_tokens=args.batch_tokens,
-                            max_sequences=args.max_sequences)
+                            max_sequences=args.max_sequences, init_drafter=args.init_drafter,
+                            curve_every=args.curve_every)
     model_kwargs = dict(num_layers=args.num_layers, hidden=args.hidden_size,
                         intermediate=args.intermediate_size, heads=args.num_heads,
                         kv_heads=args.num_kv_heads)

@@ -21,7 +21,6 @@ vocabulary (on padded vocabularies, an unused row).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from specserve.engine.spec_decode.dflash.model import (
     block_masks,
     check_against_target,
     default_target_layer_ids,
+    load_drafter,
     new_config,
     save_drafter,
 )
@@ -46,7 +46,7 @@ from specserve.engine.spec_decode.dflash.model import (
 from .loop import TrainConfig, compute_autocast, default_ckpt_dir, run_loop, setup_runtime, train_dtype
 from .medusa import lm_head_weight, load_target
 from .selfdistill import load_set, split_by_prompt
-from .teacher import teacher_forward
+from .teacher import teacher_signals
 
 IGNORE = -100
 EVAL_SEED = 1234  # held-out anchors: the same before and after training, and across runs
@@ -199,35 +199,15 @@ def make_batch(seqs: list[Sequence], anchors: list[list[int]], block_size: int, 
 
 # -- target features --------------------------------------------------------------------------------------------------
 
-def cache_features(target, records: list[dict], layer_ids: list[int], batch_tokens: int = 4096
-                   ) -> list[torch.Tensor]:
-    """Per record, the teacher-forced features [n, len(layer_ids) * H] bf16: HF's hidden_states[i + 1] (z-lab's
-    definition: decoder-layer outputs, except that layer L - 1's is the final norm's output — what the server's
-    DFlash proposer taps too), concatenated in `layer_ids` order (train/teacher.py)."""
-    last = len(decoder_layers(target)) - 1
-    taps = [FINAL if i == last else i for i in layer_ids]
-    return [r["hidden"] for r in teacher_forward(target, records, taps, 0, batch_tokens, compute_autocast(), "dflash")]
-
-
-def cache_key(target_path: str, records: list[dict], layer_ids: list[int]) -> str:
-    """Target, records and layers: a different set or layer choice never reuses stale features."""
-    h = hashlib.sha256(str(Path(target_path).expanduser().resolve()).encode())
-    for r in records:
-        h.update(str(r["index"]).encode())
-    h.update(("layers:" + ",".join(map(str, layer_ids))).encode())
-    return h.hexdigest()[:16]
-
-
 def cached_features(target, target_path: str, records: list[dict], layer_ids: list[int], ckpt_dir: Path
                     ) -> list[torch.Tensor]:
-    path = ckpt_dir / f"dflash-features-{cache_key(target_path, records, layer_ids)}.pt"
-    if path.exists():
-        return torch.load(path)
-    feats = cache_features(target, records, layer_ids)
-    tmp = path.with_suffix(".tmp")
-    torch.save(feats, tmp)
-    tmp.replace(path)
-    return feats
+    """Per record, the teacher-forced features [n, len(layer_ids) * H] bf16: HF's hidden_states[i + 1] (z-lab's
+    definition: decoder-layer outputs, except that layer L - 1's is the final norm's output — what the server's
+    DFlash proposer taps too), concatenated in `layer_ids` order, from the one teacher path (train/teacher.py)."""
+    last = len(decoder_layers(target)) - 1
+    taps = [FINAL if i == last else i for i in layer_ids]
+    return [r["hidden"] for r in teacher_signals(target, target_path, records, taps, 0, ckpt_dir, compute_autocast(),
+                                                 "dflash")]
 
 
 # -- the drafter ------------------------------------------------------------------------------------------------------
@@ -411,10 +391,11 @@ def train_dflash(target_path: str, data: str | Path | list[dict], out: str | Pat
                  num_layers: int = 2, block_size: int = 8, target_layer_ids: list[int] | None = None,
                  num_context_layers: int | None = None, mask_token_id: int | None = None, num_anchors: int = 16,
                  gamma: float | None = None, init_layers: list[int] | None = None, vocab_map: str | None = None,
-                 intermediate_size: int | None = None, max_len: int = 1024) -> dict:
+                 intermediate_size: int | None = None, max_len: int = 1024, init_drafter: str | None = None) -> dict:
     """Trains a DFlash drafter for the frozen target on a selfgen set (a directory, or its records); exports it
     (z-lab's format + our d2t) to `out` with a train_summary.json (held-out per-position accuracy and tau,
-    untrained vs trained, the config, steps / tokens / time)."""
+    untrained vs trained, the config, steps / tokens / time). `init_drafter` continues from an exported drafter:
+    its layers, block size, mask token, context layers and vocabulary map override the arguments."""
     if block_size < 2:
         raise ValueError(f"block_size: must be >= 2, got {block_size}")
     ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else default_ckpt_dir("dflash", out)
@@ -431,27 +412,38 @@ def train_dflash(target_path: str, data: str | Path | list[dict], out: str | Pat
     train_recs, held_recs = _split(records)
     if not train_recs:
         raise ValueError("data: no training answers (every prompt is held out, or every answer is empty)")
+    prior = load_drafter(init_drafter, torch.float32, torch.device("cpu"), "init_drafter") if init_drafter else None
+    if prior is not None:
+        target_layer_ids, num_layers = prior[0].target_layer_ids, len(prior[0].layers)
+        block_size, mask_token_id = prior[0].block_size, prior[0].mask_token_id
     layer_ids = context_layer_ids(tcfg.num_hidden_layers, num_layers, target_layer_ids, num_context_layers)
     if mask_token_id is None:
         mask_token_id = choose_mask_token(special_token_ids(load_tokenizer(target_path)), used_token_ids(records),
                                           tcfg.vocab_size)
     vmap = load_vocab_ids(vocab_map, tcfg.vocab_size) if vocab_map else None
+    if prior is not None and prior[1] is not None:
+        vmap = VocabMap.from_d2t(prior[1], tcfg.vocab_size)
     feats = cached_features(target, target_path, train_recs + held_recs, layer_ids, ckpt_dir)
     train = _sequences(train_recs, feats[: len(train_recs)])
     held = _sequences(held_recs, feats[len(train_recs):])
 
     torch.manual_seed(cfg.seed)
-    drafter = build_drafter(target, num_layers, block_size, mask_token_id, layer_ids, intermediate_size, init_layers)
+    if prior is not None:
+        drafter = prior[0].train()
+    else:
+        drafter = build_drafter(target, num_layers, block_size, mask_token_id, layer_ids, intermediate_size,
+                                init_layers)
     head = lm_head_weight(target).detach()
     frozen = Frozen(target.get_input_embeddings(),
                     (head if vmap is None else head[vmap.d2t]).to(train_dtype()).contiguous(), vmap)
     n_params = sum(p.numel() for p in drafter.parameters())
+    init_name = init_drafter or (f"target layers {init_layers}" if init_layers else "random")
     held_batches = heldout_batches(held, cfg, block_size, mask_token_id, num_anchors, gamma)
     held_coverage = coverage(held_batches, frozen)
     print(f"[dflash] {len(train)} train / {len(held)} held-out answers; drafter {num_layers} layers x "
           f"{tcfg.hidden_size}, block {block_size}, {n_params / 1e6:.2f}M params, context layers {layer_ids}, "
           f"mask token {mask_token_id}, vocabulary {'full' if vmap is None else vmap.d2t.numel()} (held-out label "
-          f"coverage {held_coverage}), init {f'target layers {init_layers}' if init_layers else 'random'}",
+          f"coverage {held_coverage}), init {init_name}",
           flush=True)
     before = block_accuracy(drafter, frozen, held_batches, block_size)
     summary = run_loop(drafter, block_loss(drafter, frozen),
@@ -465,7 +457,7 @@ def train_dflash(target_path: str, data: str | Path | list[dict], out: str | Pat
               "drafter": {"num_layers": num_layers, "block_size": block_size, "mask_token_id": mask_token_id,
                           "target_layer_ids": layer_ids, "hidden_size": drafter.config.hidden_size,
                           "intermediate_size": drafter.config.intermediate_size, "num_params": n_params,
-                          "init_layers": list(init_layers or [])},
+                          "init_layers": list(init_layers or []), "init": init_name},
               "num_anchors": num_anchors, "gamma": gamma, "draft_vocab": None if vmap is None else vmap.d2t.numel(),
               "heldout_label_coverage": held_coverage, "train_answers": len(train), "heldout_answers": len(held),
               "heldout_blocks": after["blocks"],

@@ -25,6 +25,7 @@ from specserve.engine.spec_decode.eagle3.model import (
     Eagle3Drafter,
     Eagle3Format,
     default_layer_ids,
+    load_drafter,
     new_config,
     save_drafter,
 )
@@ -32,7 +33,7 @@ from specserve.engine.spec_decode.eagle3.model import (
 from .loop import TrainConfig, compute_autocast, default_ckpt_dir, run_loop, setup_runtime
 from .medusa import lm_head_weight, load_target
 from .selfdistill import split_by_prompt
-from .teacher import cached_teacher, load_records
+from .teacher import load_records, teacher_signals
 
 DECAY = 0.8  # the weight of TTT step k is DECAY ** k
 
@@ -174,11 +175,38 @@ def _batches(items: list[tuple[dict, dict]], t2d: torch.Tensor, batch_tokens: in
     return out
 
 
+class EpochSampler:
+    """Batches in a fresh seeded order each epoch (every token seen once per epoch), counting the training tokens
+    served; with `curve_every`, the held-out report each time that many more tokens have been seen: acceptance
+    against data seen, which in the first epoch is acceptance against corpus size."""
+
+    def __init__(self, batches: list[TTTBatch], seed: int, report=None, curve_every: int = 0):
+        self.batches, self.rng, self.report, self.curve_every = batches, random.Random(seed), report, curve_every
+        self.order: list[int] = []
+        self.epoch, self.tokens = 0, 0
+        self.curve: list[dict] = []
+
+    def __call__(self, step: int) -> TTTBatch:
+        if not self.order:
+            self.order = list(range(len(self.batches)))
+            self.rng.shuffle(self.order)
+            self.epoch += 1
+        batch = self.batches[self.order.pop()]
+        if self.curve_every and self.report and self.tokens // self.curve_every < \
+                (self.tokens + batch.num_tokens) // self.curve_every:
+            self.curve.append({"train_tokens_seen": self.tokens, "epoch": self.epoch, **self.report()})
+            print(f"[eagle3] curve {self.curve[-1]}", flush=True)
+        self.tokens += batch.num_tokens
+        return batch
+
+
 def train_eagle3(target_path: str, data: str | Path, out: str | Path, cfg: TrainConfig, ttt_steps: int = 4,
                  draft_vocab: int = 8192, layer_ids: list[int] | None = None, max_len: int = 512,
-                 top_k: int = 20, batch_tokens: int = 2048, max_sequences: int | None = None) -> dict:
+                 top_k: int = 20, batch_tokens: int = 2048, max_sequences: int | None = None,
+                 init_drafter: str | None = None, curve_every: int = 0) -> dict:
     """Trains and exports (speculators format) an EAGLE-3 drafter; writes train_summary.json with the held-out
-    report before and after training."""
+    report before and after training. `init_drafter` continues from an exported drafter (its layers and draft
+    vocabulary)."""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps: must be >= 1, got {ttt_steps}")
     ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else default_ckpt_dir("eagle3", out)
@@ -188,31 +216,44 @@ def train_eagle3(target_path: str, data: str | Path, out: str | Path, cfg: Train
     target = load_target(target_path, torch.bfloat16).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    layer_ids = layer_ids or default_layer_ids(target.config.num_hidden_layers)
+    prior = load_drafter(init_drafter, target.config, torch.float32, torch.device("cpu")) if init_drafter else None
+    layer_ids = prior.format.layer_ids if prior is not None else layer_ids or default_layer_ids(
+        target.config.num_hidden_layers)
     records = [r for r in load_records(data, max_len) if len(r["output_ids"]) > 1][:max_sequences]
-    teacher = cached_teacher(target, target_path, records, [i - 1 for i in layer_ids], top_k, ckpt_dir,
-                             compute_autocast(), "eagle3 teacher")
+    teacher = teacher_signals(target, target_path, records, [i - 1 for i in layer_ids], top_k, ckpt_dir,
+                              compute_autocast(), "eagle3 teacher")
     train_recs, held_recs = split_by_prompt(records, 16)
     by_index = {r["index"]: t for r, t in zip(records, teacher)}
+    del teacher
     train_items = [(r, by_index[r["index"]]) for r in train_recs]
     held_items = [(r, by_index[r["index"]]) for r in held_recs]
+    del by_index
     vocab = target.config.vocab_size
-    ids = draft_vocabulary([t for _, t in train_items], [r for r, _ in train_items], draft_vocab or vocab, vocab)
+    if prior is not None:
+        drafter, ids = prior.train(), prior.draft_to_target.long().cpu()
+    else:
+        ids = draft_vocabulary([t for _, t in train_items], [r for r, _ in train_items], draft_vocab or vocab, vocab)
+        drafter = build_drafter(target, layer_ids, ids)
     t2d = torch.full((vocab,), -1, dtype=torch.long)
     t2d[ids] = torch.arange(len(ids))
-    drafter = build_drafter(target, layer_ids, ids)
     embed = target.get_input_embeddings()
     held = _batches(held_items, t2d, batch_tokens)[:24]
     held_greedy = _batches([it for it in held_items if float(it[0].get("temperature", 0.0)) == 0.0], t2d,
                            batch_tokens)[:24]
     before = heldout_report(drafter, embed, held, ttt_steps)
-    rng = random.Random(cfg.seed)
     train_batches = _batches(train_items, t2d, batch_tokens)
+    train_answer_tokens = sum(len(r["output_ids"]) for r, _ in train_items)
+    del train_items
 
-    def batch(step: int) -> TTTBatch:
-        return train_batches[rng.randrange(len(train_batches))]
+    def curve_report() -> dict:
+        drafter.eval()
+        try:
+            return heldout_report(drafter, embed, held[:8], ttt_steps)
+        finally:
+            drafter.train()
 
-    summary = run_loop(drafter, ttt_loss(drafter, embed, ttt_steps), batch, held[:4], cfg, ckpt_dir, "eagle3")
+    sampler = EpochSampler(train_batches, cfg.seed, curve_report, curve_every)
+    summary = run_loop(drafter, ttt_loss(drafter, embed, ttt_steps), sampler, held[:4], cfg, ckpt_dir, "eagle3")
     drafter.eval()
     after = heldout_report(drafter, embed, held, ttt_steps)
     answer_positions = sum(len(r["output_ids"]) for r, _ in held_items)
@@ -220,9 +261,10 @@ def train_eagle3(target_path: str, data: str | Path, out: str | Path, cfg: Train
     greedy = heldout_report(drafter, embed, held_greedy, ttt_steps) if held_greedy else None
     save_drafter(drafter.to(torch.bfloat16), out, str(target_path))
     summary |= {"target": str(target_path), "layer_ids": layer_ids, "ttt_steps": ttt_steps,
-                "draft_vocab": len(ids), "train_sequences": len(train_items), "heldout_sequences": len(held_items),
-                "train_answer_tokens": sum(len(r["output_ids"]) for r, _ in train_items),
-                "heldout_untrained": before, "heldout_trained": after, "heldout_greedy_trained": greedy,
-                "heldout_answer_positions_in_draft_vocab": round(coverage, 4)}
+                "init": init_drafter or "fresh (lm_head rows and final norm from the target)",
+                "draft_vocab": len(ids), "train_sequences": len(train_recs), "heldout_sequences": len(held_items),
+                "train_answer_tokens": train_answer_tokens, "epochs_started": sampler.epoch,
+                "heldout_before": before, "heldout_trained": after, "heldout_greedy_trained": greedy,
+                "heldout_answer_positions_in_draft_vocab": round(coverage, 4), "curve": sampler.curve}
     (Path(out) / "train_summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return summary

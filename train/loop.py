@@ -44,10 +44,14 @@ class TrainConfig:
     eval_batches: int = 8
 
 
+def cache_base() -> Path:
+    """Where training keeps what it can recompute ($SPECSERVE_CACHE, default ~/.cache/specserve)."""
+    return Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+
+
 def default_ckpt_dir(kind: str, out: str | Path) -> Path:
     # Outside git on purpose: checkpoints carry fp32 weights and optimizer moments (~4x the export).
-    base = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
-    return base / "ckpt" / f"{kind}-{Path(out).resolve().name}"
+    return cache_base() / "ckpt" / f"{kind}-{Path(out).resolve().name}"
 
 
 def train_dtype() -> torch.dtype:

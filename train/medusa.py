@@ -14,7 +14,6 @@ and from the target's verify cost measured here, written into the heads' config 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict
@@ -23,12 +22,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.model.hidden import FINAL
 from specserve.engine.model.loader import load_model, load_tokenizer
 from specserve.engine.spec_decode.medusa.heads import MedusaHeads, load_heads
 from specserve.engine.spec_decode.medusa.tree import choose_tree
 
 from .loop import TrainConfig, compute_autocast, default_ckpt_dir, export_hf, run_loop, setup_runtime
 from .selfdistill import load_set, split_by_prompt
+from .teacher import teacher_forward, teacher_signals
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k (Medusa-1)
 MAX_HEADS = 8  # labels cached per position
@@ -58,37 +59,21 @@ def future_labels(seq: torch.Tensor, n_prompt: int, width: int = MAX_HEADS) -> t
     return padded[idx.clamp(max=len(padded) - 1)]
 
 
-@torch.no_grad()
-def cache_hidden(target, records: list[dict], batch_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_hidden(target, records: list[dict], target_path: str | None = None, cache_dir: Path | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced final hidden states at the answer positions of every record -> (states [N, H] bf16,
-    labels [N, MAX_HEADS] long)."""
-    base = target.get_decoder() if hasattr(target, "get_decoder") else target.base_model
+    labels [N, MAX_HEADS] long). With target_path: through the one teacher path's stores (train/teacher.py); without
+    (a target just trained, stage 2): computed afresh."""
+    if target_path is None:
+        signals = teacher_forward(target, records, [FINAL], 0, 4096, compute_autocast(), "medusa")
+    else:
+        signals = teacher_signals(target, target_path, records, [FINAL], 0, cache_dir or Path("."),
+                                  compute_autocast(), "medusa")
     states, labels = [], []
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt_ids"]) + len(records[i]["output_ids"]))
-    i = 0
-    t0 = time.time()
-    while i < len(order):
-        group = [order[i]]
-        longest = len(sequences(records[order[i]])[0])
-        while i + len(group) < len(order):
-            nxt = len(sequences(records[order[i + len(group)]])[0])
-            if (len(group) + 1) * max(longest, nxt) > batch_tokens:
-                break
-            group.append(order[i + len(group)])
-            longest = max(longest, nxt)
-        i += len(group)
-        seqs = [sequences(records[j]) for j in group]
-        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        mask = torch.zeros(len(seqs), longest, dtype=torch.long)
-        for b, (s, _) in enumerate(seqs):
-            ids[b, : len(s)], mask[b, : len(s)] = s, 1
-        with compute_autocast():
-            hidden = base(input_ids=ids, attention_mask=mask).last_hidden_state  # right padding: causal rows exact
-        for b, (s, n_prompt) in enumerate(seqs):
-            states.append(hidden[b, n_prompt - 1: len(s) - 1].to(torch.bfloat16))
-            labels.append(future_labels(s, n_prompt))
-    print(f"[medusa] cached {sum(len(s) for s in states)} hidden states of {len(records)} answers in "
-          f"{time.time() - t0:.0f}s", flush=True)
+    for r, sig in zip(records, signals):
+        seq, n_prompt = sequences(r)
+        states.append(sig["hidden"][n_prompt - 1: len(seq) - 1].to(torch.bfloat16))
+        labels.append(future_labels(seq, n_prompt))
     return torch.cat(states), torch.cat(labels)
 
 
@@ -172,16 +157,11 @@ def _split(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return train, held or train[: max(1, len(train) // 10)]
 
 
-def _cache_key(target_path: str, records: list[dict]) -> str:
-    h = hashlib.sha256(str(Path(target_path).expanduser().resolve()).encode())
-    for r in records:
-        h.update(str(r["index"]).encode())
-    return h.hexdigest()[:16]
-
-
 def train_stage1(target_path: str, data: str | Path | list[dict], out: str | Path, cfg: TrainConfig,
-                 num_heads: int = 4, num_layers: int = 1, max_len: int = 1024, choose: bool = True) -> dict:
-    """Medusa-1 on a frozen target; exports the heads (our shared-LM-head format) to `out`."""
+                 num_heads: int = 4, num_layers: int = 1, max_len: int = 1024, choose: bool = True,
+                 init_heads: str | None = None) -> dict:
+    """Medusa-1 on a frozen target; exports the heads (our shared-LM-head format) to `out`. `init_heads` continues
+    from exported heads."""
     setup_runtime(cfg)
     target = load_target(target_path, torch.bfloat16).eval()
     for p in target.parameters():
@@ -190,16 +170,12 @@ def train_stage1(target_path: str, data: str | Path | list[dict], out: str | Pat
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     records = data if isinstance(data, list) else load_set(data, max_len, target, target_path, ckpt_dir)
     train_recs, held_recs = _split(records)
-    cache_path = ckpt_dir / f"hidden-{_cache_key(target_path, records)}.pt"
-    if cache_path.exists():
-        cached = torch.load(cache_path)
-    else:
-        cached = {"train": cache_hidden(target, train_recs), "held": cache_hidden(target, held_recs)}
-        torch.save(cached, cache_path)
-    (states, labels), (held_states, held_labels) = cached["train"], cached["held"]
+    states, labels = cache_hidden(target, train_recs, target_path, ckpt_dir)
+    held_states, held_labels = cache_hidden(target, held_recs, target_path, ckpt_dir)
     lm_head = lm_head_weight(target)
     hidden, vocab = states.shape[1], lm_head.shape[0]
-    heads = MedusaHeads(num_heads, num_layers, hidden)
+    heads = load_heads(init_heads, hidden, vocab)[0].float().train() if init_heads else MedusaHeads(
+        num_heads, num_layers, hidden)
     before = head_accuracy(heads, lm_head, held_states, held_labels)
 
     def batch(step: int):
@@ -220,7 +196,7 @@ def train_stage1(target_path: str, data: str | Path | list[dict], out: str | Pat
         extra["medusa_choices"] = choices
     heads.save(out, extra)
     report = {**{k: v for k, v in summary.items() if k != "config"}, **extra, "vocab_size": vocab,
-              "top1_accuracy_untrained": [round(a[0], 4) for a in before],
+              "top1_accuracy_untrained": [round(a[0], 4) for a in before], "init": init_heads or "random",
               "top1_accuracy": [round(a[0], 4) for a in accuracy],
               "accuracy_by_rank": [[round(x, 4) for x in a] for a in accuracy], "tree": info,
               "config": asdict(cfg)}

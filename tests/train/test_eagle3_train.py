@@ -3,6 +3,7 @@ untrained drafter's, and the exported drafter (speculators format) runs in the e
 
 import random
 
+import pytest
 import torch
 
 from specserve.engine.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ def test_eagle3_training_learns_and_exports_a_drafter_the_engine_runs(tiny, tmp_
                       log_every=1000, seed=0)
     summary = train_eagle3(str(target), tmp_path / "corpus", tmp_path / "out", cfg, ttt_steps=3, draft_vocab=128,
                            batch_tokens=512)
-    before, after = summary["heldout_untrained"], summary["heldout_trained"]
+    before, after = summary["heldout_before"], summary["heldout_trained"]
     assert len(after["top1_by_step"]) == 3
     assert after["top1_by_step"][0] > before["top1_by_step"][0] + 0.1, (before, after)
     assert after["tau"] > before["tau"]
@@ -38,6 +39,29 @@ def test_eagle3_training_learns_and_exports_a_drafter_the_engine_runs(tiny, tmp_
     spec = run(core, prompts[:6], GREEDY)
     assert [o.output_token_ids for o in spec] == plain
     assert sum(o.speculation.num_accepted_tokens for o in spec) > 0
+    # continuing from the export starts where it ended (same held-out report) and keeps its draft vocabulary
+    again = TrainConfig(steps=3, lr=1e-4, warmup_steps=1, max_minutes=3, ckpt_dir=str(tmp_path / "ckpt2"),
+                        log_every=1000, seed=1)
+    resumed = train_eagle3(str(target), tmp_path / "corpus", tmp_path / "out2", again, ttt_steps=3,
+                           batch_tokens=512, init_drafter=str(tmp_path / "out"), curve_every=200)
+    assert resumed["heldout_before"]["tau"] == pytest.approx(after["tau"], abs=0.02)
+    assert resumed["draft_vocab"] == summary["draft_vocab"]
+    assert resumed["curve"] and resumed["curve"][0]["train_tokens_seen"] < 200
+
+
+def test_epoch_sampler_serves_every_batch_once_per_epoch_and_reports_the_curve():
+    from specserve.train.eagle3 import EpochSampler
+
+    batches = [TTTBatch(*([None] * 6), num_tokens=n) for n in (30, 50, 70)]
+    reports = iter(range(100))
+    sampler = EpochSampler(batches, seed=3, report=lambda: {"tau": next(reports)}, curve_every=100)
+    first = [id(sampler(step)) for step in range(3)]
+    second = [id(sampler(step)) for step in range(3, 6)]
+    assert sorted(first) == sorted(second) == sorted(id(b) for b in batches)
+    assert sampler.epoch == 2 and sampler.tokens == 300
+    # one report as each multiple of 100 is crossed, taken before the batch that crosses it
+    assert [c["train_tokens_seen"] // 100 for c in sampler.curve] == [0, 1, 2]
+    assert [c["tau"] for c in sampler.curve] == [0, 1, 2]
 
 
 def test_training_time_test_masks(tiny, tmp_path):

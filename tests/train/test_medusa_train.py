@@ -53,6 +53,11 @@ def test_stage1_loss_falls_and_trained_heads_beat_untrained(tiny, records, tmp_p
     cfg.steps = 160
     again = train_stage1(str(tiny["llama"]), records, tmp_path / "heads", cfg, num_heads=3, choose=False)
     assert again["steps"] == 160
+    # continuing from exported heads starts at their accuracy
+    cont = train_stage1(str(tiny["llama"]), records, tmp_path / "heads2", TrainConfig(
+        steps=1, batch_size=128, lr=1e-9, warmup_steps=1, ckpt_dir=str(tmp_path / "ckpt2"), threads=1),
+        num_heads=3, choose=False, init_heads=str(tmp_path / "heads"))
+    assert cont["top1_accuracy_untrained"] == again["top1_accuracy"]
 
 
 def test_stage2_writes_a_new_target_that_carries_its_heads(tiny, records, tmp_path):

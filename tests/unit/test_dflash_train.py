@@ -168,6 +168,15 @@ def test_training_lowers_the_loss_and_beats_the_untrained_drafter(tmp_path):
     assert train_dflash(str(tmp_path / "target"), data, out, cfg, num_layers=1, block_size=4,
                         num_context_layers=2, num_anchors=8, init_layers=[2],
                         vocab_map=str(tmp_path))["steps"] == 42
+    # continuing from the export: its shape, context layers and vocabulary, and (up to its bf16 rounding) its
+    # held-out accuracy to start from
+    cfg2 = TrainConfig(steps=1, batch_size=4, lr=1e-9, warmup_steps=1, ckpt_dir=str(tmp_path / "ckpt2"),
+                       log_every=20, threads=1, eval_batches=2)
+    cont = train_dflash(str(tmp_path / "target"), data, tmp_path / "again", cfg2, num_layers=2, block_size=8,
+                        init_drafter=str(out))
+    assert cont["drafter"]["target_layer_ids"] == [1, 3] and cont["drafter"]["block_size"] == 4
+    assert cont["draft_vocab"] == 150
+    assert cont["tau_untrained"] > report["tau_untrained"] + 1.5 and cont["drafter"]["init"] == str(out)
 
 
 def test_the_engine_accepts_a_trained_drafter_and_stays_greedy_exact(tiny, tmp_path):
