@@ -76,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3", action="store_true",
                     help="also load an EAGLE-3 drafter (--eagle3-model, else the demo target's bundled one)")
     ap.add_argument("--eagle3-model", default=None, help="an EAGLE-3 drafter directory (implies --eagle3)")
+    ap.add_argument("--eagle3-topk", type=int, default=1,
+                    help="speculative_eagle_topk: 1 drafts chains, > 1 dynamic trees (then --eagle3-max-k is the "
+                         "node budget)")
+    ap.add_argument("--eagle3-max-k", type=int, default=None,
+                    help="EAGLE-3's max_speculative_tokens (default --max-k; a tree's node budget under auto)")
+    ap.add_argument("--eagle3-k", type=parse_k, default=None, help="EAGLE-3's k (default --k)")
     ap.add_argument("--concurrency", default="1",
                     help="comma-separated levels: at level c the prompts (cycled to a multiple of c) go c per "
                          "generate() call and decode together")
@@ -191,8 +197,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dflash:  # like medusa's, its auto ranges over the whole block
         config.append({"method": "dflash", "num_speculative_tokens": args.dflash_k}
                       | ({"model": args.dflash_model} if args.dflash_model else {}))
-    if args.eagle3:  # a chain like the draft model's: the same k
-        config.append({"method": "eagle3", "num_speculative_tokens": args.k}
+    if args.eagle3:  # chains by default, like the draft model's: the same k
+        config.append({"method": "eagle3", "num_speculative_tokens": args.eagle3_k or args.k,
+                       "speculative_eagle_topk": args.eagle3_topk,
+                       "max_speculative_tokens": args.eagle3_max_k or args.max_k}
                       | ({"model": args.eagle3_model} if args.eagle3_model else {}))
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
               kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,

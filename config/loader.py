@@ -16,7 +16,8 @@ from specserve.config.schema import AppConfig, EngineConfig, ServerConfig, parse
 
 ENV_PREFIX = "SPECSERVE_"
 ENV_CONFIG = "SPECSERVE_CONFIG"
-ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR"})  # read elsewhere, not config fields
+ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR", "SPECSERVE_CACHE"})  # read elsewhere, not config fields
+# (SPECSERVE_CACHE: where `specserve train` keeps checkpoints and teacher stores)
 SECTIONS = (EngineConfig, ServerConfig)
 # variables Kubernetes injects for a Service named "specserve" (SPECSERVE_SERVICE_HOST, SPECSERVE_PORT_8000_TCP, ...)
 _K8S_SERVICE_LINKS = (ENV_PREFIX + "SERVICE_", ENV_PREFIX + "PORT_")
@@ -42,6 +43,9 @@ HELP: dict[str, tuple[str, str | None]] = {
     "prompt_lookup_max": ("ngram: longest suffix of the context looked up (tried first)", None),
     "prompt_lookup_branches": ("ngram: propose a tree of up to this many different continuations (1: a chain)",
                                None),
+    "speculative_eagle_topk": ("eagle3: 1 drafts chains; > 1 drafts EAGLE-2's dynamic trees, expanding this many "
+                               "nodes per depth with this many children each; k (or --max-speculative-tokens "
+                               "under auto) is then the tree's node budget", None),
     "medusa_heads": ("medusa: directory of Medusa heads (public Medusa format or ours)",
                      "the target directory's own heads, or the bundled ones for the demo target"),
     "medusa_choices": ("medusa: the candidate tree, a JSON list of rank paths as in the Medusa project, e.g. "

@@ -45,6 +45,7 @@ class SpeculativeMethodConfig:
     medusa_typical_acceptance: bool = False  # medusa: Medusa's typical acceptance instead of the exact rule: LOSSY
     posterior_threshold: float = 0.09  # typical acceptance: accept x if p(x) > min(this, alpha * exp(-H(p)))
     posterior_alpha: float = 0.3
+    speculative_eagle_topk: int = 1  # eagle3: > 1 drafts dynamic trees, expanding this many nodes per depth
 
     def __post_init__(self) -> None:
         check_medusa_fields(self, "speculative_config.")
@@ -59,6 +60,8 @@ class SpeculativeMethodConfig:
             raise ValueError("speculative_config.prompt_lookup_min: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not isinstance(self.prompt_lookup_branches, int) or self.prompt_lookup_branches < 1:
             raise ValueError("speculative_config.prompt_lookup_branches: must be an integer >= 1")
+        if not isinstance(self.speculative_eagle_topk, int) or self.speculative_eagle_topk < 1:
+            raise ValueError("speculative_config.speculative_eagle_topk: must be an integer >= 1")
 
 
     @property
@@ -122,6 +125,7 @@ class EngineConfig:
     medusa_typical_acceptance: bool = False  # medusa: typical acceptance (Medusa's own rule): LOSSY, off by default
     posterior_threshold: float = 0.09  # typical acceptance only
     posterior_alpha: float = 0.3  # typical acceptance only
+    speculative_eagle_topk: int = 1  # eagle3: > 1 drafts dynamic trees (SGLang's flag); k is then the node budget
     speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
     dtype: str = "auto"  # auto = bf16 where the device computes it natively, else fp16 (CUDA) or fp32 (CPU)
     device: str = "auto"  # auto = cuda when present
@@ -148,6 +152,7 @@ class EngineConfig:
             (1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
              "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
             (self.prompt_lookup_branches >= 1, "prompt_lookup_branches", "must be >= 1"),
+            (self.speculative_eagle_topk >= 1, "speculative_eagle_topk", "must be >= 1"),
         ]
         for ok, name, msg in checks:
             if not ok:
@@ -187,7 +192,7 @@ class EngineConfig:
                                         self.max_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
                                         self.prompt_lookup_branches, self.medusa_heads, self.medusa_choices,
                                         self.medusa_typical_acceptance, self.posterior_threshold,
-                                        self.posterior_alpha),)
+                                        self.posterior_alpha, self.speculative_eagle_topk),)
 
     @property
     def method(self) -> str:

@@ -61,6 +61,34 @@ def test_eagle3_greedy_identical_in_a_concurrent_batch(tiny, drafters, baseline,
         assert set(eagle.draft_to_target.tolist()) == set(range(0, tiny["vocab"], 3))
 
 
+@pytest.mark.parametrize("which,topk,k", [("full", 2, 6), ("subvocab", 3, 8), ("full", 3, "auto")])
+def test_eagle3_trees_greedy_identical_in_a_concurrent_batch(tiny, drafters, baseline, which, topk, k):
+    """Dynamic trees (speculative_eagle_topk > 1): the same greedy output, and the proposals really branch."""
+    core = make_core(tiny["llama"], speculative_method="eagle3", k=k, draft=drafters[which],
+                     speculative_eagle_topk=topk, max_speculative_tokens=8)
+    eagle = core.proposers["eagle3"]
+    seen = []
+    propose = eagle.propose
+
+    def spy(requests, ks, gen):
+        prop = propose(requests, ks, gen)
+        seen.extend(p for p, n in zip(prop.parents or [], prop.num_tokens) if n)
+        return prop
+    eagle.propose = spy
+    outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=6)
+    assert [o.output_token_ids for o in outs] == baseline
+    assert any(p != list(range(len(p))) for p in seen)  # some proposal was a real tree
+    assert not eagle._feat and not eagle._kv
+
+
+def test_trees_fall_back_to_chains_for_grammar_and_logit_bias(tiny, drafters, baseline):
+    core = make_core(tiny["llama"], speculative_method="eagle3", k=4, draft=drafters["full"],
+                     speculative_eagle_topk=2)
+    biased = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={5: 0.0})
+    outs = run(core, PROMPTS[:3], [biased] * 3)
+    assert [o.output_token_ids for o in outs] == baseline[:3]
+
+
 def fresh_features(target, drafter, token_ids: list[int]) -> torch.Tensor:
     """g of positions 0 .. n - 2 from HF's own forward: fc over hidden_states[i] of the drafter's layer ids."""
     with torch.no_grad():
@@ -158,6 +186,18 @@ def test_a_drafter_that_reproduces_the_target_is_accepted_every_step(tmp_path):
     assert [o.output_token_ids for o in outs] == plain
     drafted = sum(o.speculation.num_draft_tokens for o in outs)
     assert drafted >= 40 and sum(o.speculation.num_accepted_tokens for o in outs) == drafted
+    # the tree path (its own K/V buffer, masks and frontier hand-over): with the drafter made certain (lm_head x 50,
+    # same argmax) its top-1 chain outscores every sibling, so each tree is that chain, and it is accepted whole
+    sharp = load_drafter(drafter, AutoModelForCausalLM.from_pretrained(target).config, torch.float32,
+                         torch.device("cpu"))
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(50.0)
+    sharp_dir = save_drafter(sharp, tmp_path / "sharp")
+    core = make_core(target, speculative_method="eagle3", k=4, draft=sharp_dir, speculative_eagle_topk=2)
+    outs = run(core, prompts, params, join_after=2, join_from=2)
+    assert [o.output_token_ids for o in outs] == plain
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    assert drafted >= 40 and sum(o.speculation.num_accepted_tokens for o in outs) == drafted
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +213,14 @@ def test_eagle3_keeps_target_law(vocab6):
     """Drafts sampled from q at temperature 1, verified with q: the first three tokens follow the target's law."""
     target, drafter = vocab6
     assert _p_value(target, None, CASES["temperature_1"], speculative_method="eagle3", k=3, draft=drafter) > 1e-3
+
+
+@pytest.mark.slow  # statistical law test
+def test_eagle3_trees_keep_target_law(vocab6):
+    """One-hot tree candidates at temperature 1, verified by the tree rule: the target's law."""
+    target, drafter = vocab6
+    assert _p_value(target, None, CASES["temperature_1"], speculative_method="eagle3", k=5, draft=drafter,
+                    speculative_eagle_topk=2) > 1e-3
 
 
 def authors_layout(drafter: Eagle3Drafter, out) -> None:

@@ -6,9 +6,13 @@ the target's blocks, prefix caching shares them):
   target's forward hands them over (prefill chunks too; a verify row's accepted path only);
 - the drafter's K/V at position t, made from the real pair (g_{t-1}, token t) when the request next proposes.
 A proposal runs one catch-up forward over the pairs not yet seen (its last row drafts the first token), then one
-forward per further depth for the whole batch, each row reading its parent's output as its hidden input. Drafted
-rows' K/V go to the request's next slots and are overwritten by real pairs later. Draft tokens are drawn from q
-(the drafter's distribution processed as the request asks; one-hot when greedy), so verification stays exact.
+forward per further depth for the whole batch, each row reading its parent's output as its hidden input.
+- Chains: drafted rows' K/V go to the request's next slots and are overwritten by real pairs later. Draft tokens
+  are drawn from q (the drafter's distribution processed as the request asks; one-hot when greedy), so
+  verification stays exact.
+- Trees (`speculative_eagle_topk` > 1; batches without grammars or logit_bias): EAGLE-2's dynamic tree
+  (eagle3/tree.py) of one-hot candidates, verified by the tree rule. The real prefix's K/V is gathered once; the
+  drafted rows' K/V stay in a per-proposal buffer, each row attending to the prefix, its ancestors and itself.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token, slot_tab
 from specserve.engine.spec_decode.base import HiddenChunk, Proposal, ProposerBase, ProposerContext, ProposerNeeds
 from specserve.engine.spec_decode.draft_sampling import ChainSampler
 from specserve.engine.spec_decode.eagle3.model import Eagle3Drafter, load_drafter
+from specserve.engine.spec_decode.eagle3.tree import DynamicTree
 
 _BROKEN = -1  # a request whose features have a gap (never expected): it stops proposing until recomputed
 
@@ -47,11 +52,12 @@ class Eagle3Proposer(ProposerBase):
     name = "eagle3"
 
     def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, vocab_size: int, device: torch.device,
-                 dtype: torch.dtype, num_speculative_tokens: int):
+                 dtype: torch.dtype, num_speculative_tokens: int, topk: int = 1):
         # HF's hidden_states[i] (the input of target layer i) is the output of decoder layer i - 1: our tap id
         self.taps = tuple(i - 1 for i in drafter.format.layer_ids)  # low, mid, high
+        self.topk = topk  # > 1: dynamic trees
         super().__init__(ProposerNeeds(hidden_layers=tuple(sorted(set(self.taps))), hidden_rows="all",
-                                       returns_probs=True, prefix_kv="target"), num_speculative_tokens)
+                                       returns_probs=True, tree=topk > 1, prefix_kv="target"), num_speculative_tokens)
         self.drafter, self.embed, self.vocab_size = drafter, embed, vocab_size
         self.device, self.dtype = device, dtype
         self.draft_to_target = drafter.draft_to_target  # [Vd]
@@ -68,7 +74,8 @@ class Eagle3Proposer(ProposerBase):
         if embed is None:
             raise ValueError("speculative_method: eagle3 shares the target's token embedding, which this target does "
                              "not expose (and the drafter brings none)")
-        return cls(drafter, embed, ctx.vocab_size, ctx.device, ctx.dtype, cfg.k_max)
+        topk = cfg.speculative_eagle_topk if ctx.tree_attention else 1  # a target that cannot verify trees: chains
+        return cls(drafter, embed, ctx.vocab_size, ctx.device, ctx.dtype, cfg.k_max, topk)
 
     def kv_bytes_per_token(self) -> int:
         feature = self.drafter.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
@@ -109,28 +116,27 @@ class Eagle3Proposer(ProposerBase):
         ids = torch.full((len(requests), max(ks)), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(len(requests), max(ks), self.vocab_size, device=self.device)
         counts = [0] * len(requests)
-        if live:
-            sub = self._draft([requests[i] for i in live], [ks[i] for i in live], default_generator)
-            index = torch.tensor(live, device=self.device)
-            ids[index, : sub.token_ids.shape[1]] = sub.token_ids
+        parents: list[list[int]] = [[] for _ in requests]
+        if not live:
+            return Proposal(ids, counts, probs)
+        sub = self._draft([requests[i] for i in live], [ks[i] for i in live], default_generator)
+        index = torch.tensor(live, device=self.device)
+        ids[index, : sub.token_ids.shape[1]] = sub.token_ids
+        if sub.probs is not None:
             probs[index, : sub.token_ids.shape[1]] = sub.probs
-            for i, n in zip(live, sub.num_tokens):
-                counts[i] = n
-        return Proposal(ids, counts, probs)
+        for j, (i, n) in enumerate(zip(live, sub.num_tokens)):
+            counts[i] = n
+            parents[i] = sub.parents[j] if sub.parents is not None else []
+        if sub.parents is None:
+            return Proposal(ids, counts, probs)
+        return Proposal(ids, counts, None, parents)
 
     @torch.inference_mode()
     def _draft(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
+        last, h_last = self._catch_up(requests)
+        if self.topk > 1 and not any(r.grammar is not None or r.params.logit_bias for r in requests):
+            return self._tree(requests, ks, last, h_last)
         chain = ChainSampler(requests, ks, self.vocab_size, self.device, default_generator)
-        # catch-up: the real pairs (g_{t-1}, token t) for t = first .. last token's position; the last row drafts
-        last = [len(r.token_ids) - 1 for r in requests]
-        first = [max(1, self._kv.get(r.request_id, 1)) for r in requests]
-        tokens = [r.token_ids[f: n + 1] for r, f, n in zip(requests, first, last)]
-        hidden = self._gather_features(requests, first, [n + 1 - f for f, n in zip(first, last)])
-        h_out = self._forward(requests, first, tokens, hidden)  # [S, Q, H]
-        for r, n in zip(requests, last):
-            self._kv[r.request_id] = n + 1
-        rows = torch.tensor([n - f for f, n in zip(first, last)], device=self.device)
-        h_last = h_out[torch.arange(len(requests), device=self.device), rows]  # [S, H]
         for depth in range(max(ks)):
             drafted = chain.draw(depth, self._target_logits(h_last))
             keep = chain.advance(depth)
@@ -142,6 +148,68 @@ class Eagle3Proposer(ProposerBase):
             h_last = self._forward(active, slots, [[t] for t in drafted[keep_idx].tolist()],
                                    h_last[keep_idx][:, None])[:, 0]
         return chain.proposal()
+
+    def _catch_up(self, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
+        """The real pairs (g_{t-1}, token t) for t = first .. the last token's position -> (each request's last
+        position, the last row's output h_last [S, H]: what drafts the first token)."""
+        last = [len(r.token_ids) - 1 for r in requests]
+        first = [max(1, self._kv.get(r.request_id, 1)) for r in requests]
+        tokens = [r.token_ids[f: n + 1] for r, f, n in zip(requests, first, last)]
+        hidden = self._gather_features(requests, first, [n + 1 - f for f, n in zip(first, last)])
+        h_out = self._forward(requests, first, tokens, hidden)  # [S, Q, H]
+        for r, n in zip(requests, last):
+            self._kv[r.request_id] = n + 1
+        rows = torch.tensor([n - f for f, n in zip(first, last)], device=self.device)
+        return last, h_out[torch.arange(len(requests), device=self.device), rows]
+
+    def _tree(self, requests: list[Request], ks: list[int], last: list[int], h_last: torch.Tensor) -> Proposal:
+        """A dynamic tree per request (eagle3/tree.py), one drafter forward per depth over every row's frontier."""
+        s, dev = len(requests), self.device
+        tree = DynamicTree(self._draft_logp(h_last), self.topk)
+        k_pre, v_pre, visible = self._prefix_kv(requests, [n + 1 for n in last])
+        keys, values = [k_pre], [v_pre]
+        w = self.topk
+        ancestors = torch.zeros(s, w, 0, dtype=torch.bool, device=dev)  # frontier row -> drafted rows above it
+        front_h = h_last[:, None].expand(s, w, h_last.shape[-1])
+        budgets = torch.tensor(ks, device=dev)
+        for depth in range(max(ks) - 1):
+            if tree.done(budgets):
+                break
+            pos = (torch.tensor(last, device=dev) + 1 + depth)[:, None].expand(s, w)
+            emb = self.embed(self.draft_to_target[tree.front_tokens]).to(self.dtype)
+            q, k, v, residual = self.drafter.kv_and_query(emb, front_h.to(self.dtype), pos)
+            keys.append(k)
+            values.append(v)
+            own = torch.cat([ancestors, torch.eye(w, dtype=torch.bool, device=dev).expand(s, w, w)], dim=-1)
+            mask = torch.cat([visible[:, None, :].expand(s, w, visible.shape[1]), own], dim=-1)
+            h_out = self.drafter.attend_and_finish(q, torch.cat(keys, dim=1), torch.cat(values, dim=1), residual,
+                                                   mask)  # [S, w, H]
+            tree.expand(self._draft_logp(h_out))
+            rows = tree.front_rows  # each new frontier node's parent row
+            front_h = h_out.gather(1, rows[..., None].expand(-1, -1, h_out.shape[-1]))
+            ancestors = own.gather(1, rows[..., None].expand(-1, -1, own.shape[-1]))
+        tokens, parents = tree.select(ks)
+        ids = torch.full((s, max(ks)), -1, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = self.draft_to_target.cpu()[torch.tensor(t, dtype=torch.long)]
+        return Proposal(ids.to(dev), [len(t) for t in tokens], None, parents)
+
+    def _draft_logp(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] drafter outputs -> [..., Vd] log-probabilities over the draft vocabulary."""
+        return torch.log_softmax(self.drafter.logits(h).float(), dim=-1)
+
+    def _prefix_kv(self, requests: list[Request], lengths: list[int]):
+        """The drafter's K/V of positions 0 .. lengths - 1 of each request -> (K, V [S, L, kv_heads, D], the keys a
+        drafted row may attend [S, L]: real positions >= 1)."""
+        slots, real = slot_table([r.block_ids for r in requests], torch.zeros(len(requests), dtype=torch.long),
+                                 torch.tensor(lengths), self.kv.block_size, self.kv.null_block)
+        flat_slots = slots.view(-1).to(self.device)
+        out = []
+        for store in (self.kv.key_store[0], self.kv.value_store[0]):
+            flat = store.view(-1, *store.shape[2:])
+            out.append(flat.index_select(0, flat_slots).view(*slots.shape, *flat.shape[1:]))
+        visible = real.to(self.device) & (torch.arange(slots.shape[1], device=self.device) >= 1)[None, :]
+        return out[0], out[1], visible
 
     def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[A, H] drafter outputs -> [A, V] logits over the target vocabulary (-inf outside the draft vocabulary)."""
@@ -180,17 +248,9 @@ class Eagle3Proposer(ProposerBase):
             flat.index_copy_(0, new_slots.view(-1)[new_real.view(-1)].to(self.device),
                              rows.reshape(-1, *rows.shape[2:])[valid].to(store.dtype))
         # keys: positions 0 .. last row of each request, slot 0 never attended (no pair ends there)
-        lengths = starts + counts
-        key_slots, key_real = slot_table([r.block_ids for r in requests], torch.zeros(s, dtype=torch.long), lengths,
-                                         self.kv.block_size, self.kv.null_block)
-        key_pos = torch.arange(key_slots.shape[1])[None, :].to(self.device)
-        keys = self.kv.key_store[0].view(-1, *self.kv.key_store[0].shape[2:])
-        values = self.kv.value_store[0].view(-1, *self.kv.value_store[0].shape[2:])
-        flat_slots = key_slots.view(-1).to(self.device)
-        k_all = keys.index_select(0, flat_slots).view(s, key_slots.shape[1], *keys.shape[1:])
-        v_all = values.index_select(0, flat_slots).view(s, key_slots.shape[1], *values.shape[1:])
-        mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] >= 1)  # [S, Q, L] causal
-        mask &= key_real.to(self.device)[:, None, :]
+        k_all, v_all, visible = self._prefix_kv(requests, (starts + counts).tolist())
+        key_pos = torch.arange(k_all.shape[1], device=self.device)[None, :]
+        mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & visible[:, None, :]  # [S, Q, L] causal
         mask |= key_pos[:, None, :] == q_pos[:, :, None]  # a padded row still sees itself (its output is unused)
         return self.drafter.attend_and_finish(q, k_all, v_all, residual, mask)
 
