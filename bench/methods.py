@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3-max-k", type=int, default=None,
                     help="EAGLE-3's max_speculative_tokens (default --max-k; a tree's node budget under auto)")
     ap.add_argument("--eagle3-k", type=parse_k, default=None, help="EAGLE-3's k (default --k)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated methods to load (default: draft, ngram and whichever of --medusa, "
+                         "--dflash, --eagle3 are set)")
     ap.add_argument("--concurrency", default="1",
                     help="comma-separated levels: at level c the prompts (cycled to a multiple of c) go c per "
                          "generate() call and decode together")
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "speculative_eagle_topk": args.eagle3_topk,
                        "max_speculative_tokens": args.eagle3_max_k or args.max_k}
                       | ({"model": args.eagle3_model} if args.eagle3_model else {}))
+    if args.only:
+        config = [c for c in config if c["method"] in args.only.split(",")]
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
               kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,
               max_speculative_tokens=args.max_k)
