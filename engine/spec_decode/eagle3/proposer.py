@@ -6,13 +6,13 @@ the target's blocks, prefix caching shares them):
   target's forward hands them over (prefill chunks too; a verify row's accepted path only);
 - the drafter's K/V at position t, made from the real pair (g_{t-1}, token t) when the request next proposes.
 A proposal runs one catch-up forward over the pairs not yet seen (its last row drafts the first token), then one
-forward per further depth for the whole batch, each row reading its parent's output as its hidden input.
-- Chains: drafted rows' K/V go to the request's next slots and are overwritten by real pairs later. Draft tokens
-  are drawn from q (the drafter's distribution processed as the request asks; one-hot when greedy), so
-  verification stays exact.
+forward per further depth for the whole batch, each row reading its parent's output as its hidden input. The
+pool only ever holds real pairs: the prefix's K/V is gathered once per proposal and drafted rows' K/V stay in a
+per-proposal buffer, each row attending to the real prefix, its ancestors and itself.
+- Chains: draft tokens are drawn from q (the drafter's distribution processed as the request asks; one-hot when
+  greedy), so verification stays exact.
 - Trees (`speculative_eagle_topk` > 1; batches without grammars or logit_bias): EAGLE-2's dynamic tree
-  (eagle3/tree.py) of one-hot candidates, verified by the tree rule. The real prefix's K/V is gathered once; the
-  drafted rows' K/V stay in a per-proposal buffer, each row attending to the prefix, its ancestors and itself.
+  (eagle3/tree.py) of one-hot candidates, verified by the tree rule.
 """
 
 from __future__ import annotations
@@ -137,16 +137,26 @@ class Eagle3Proposer(ProposerBase):
         if self.topk > 1 and not any(r.grammar is not None or r.params.logit_bias for r in requests):
             return self._tree(requests, ks, last, h_last)
         chain = ChainSampler(requests, ks, self.vocab_size, self.device, default_generator)
+        k_pre, v_pre, visible = self._prefix_kv(requests, [n + 1 for n in last])
+        drafted_k: list[torch.Tensor] = []  # per depth [S, 1, kv_heads, D]; rows that stopped earlier stay zero
+        drafted_v: list[torch.Tensor] = []
         for depth in range(max(ks)):
             drafted = chain.draw(depth, self._target_logits(h_last))
             keep = chain.advance(depth)
             if not keep:
                 break
             keep_idx = torch.tensor(keep, device=self.device)
-            active = [requests[a] for a in chain.active]
-            slots = [last[a] + 1 + depth for a in chain.active]  # drafted rows: the request's next positions
-            h_last = self._forward(active, slots, [[t] for t in drafted[keep_idx].tolist()],
-                                   h_last[keep_idx][:, None])[:, 0]
+            rows = torch.tensor(chain.active, device=self.device)  # the requests drafting another token
+            pos = torch.tensor([last[a] + 1 + depth for a in chain.active], device=self.device)[:, None]
+            emb = self.embed(drafted[keep_idx][:, None]).to(self.dtype)
+            q, k, v, residual = self.drafter.kv_and_query(emb, h_last[keep_idx][:, None].to(self.dtype), pos)
+            drafted_k.append(k.new_zeros(len(requests), *k.shape[1:]).index_copy_(0, rows, k))
+            drafted_v.append(v.new_zeros(len(requests), *v.shape[1:]).index_copy_(0, rows, v))
+            keys = torch.cat([k_pre[rows]] + [d[rows] for d in drafted_k], dim=1)
+            values = torch.cat([v_pre[rows]] + [d[rows] for d in drafted_v], dim=1)
+            own = torch.ones(len(rows), depth + 1, dtype=torch.bool, device=self.device)  # its chain, itself last
+            mask = torch.cat([visible[rows], own], dim=1)[:, None, :]
+            h_last = self.drafter.attend_and_finish(q, keys, values, residual, mask)[:, 0]
         return chain.proposal()
 
     def _catch_up(self, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
@@ -229,7 +239,8 @@ class Eagle3Proposer(ProposerBase):
     def _forward(self, requests: list[Request], first: list[int], tokens: list[list[int]],
                  hidden: torch.Tensor) -> torch.Tensor:
         """Rows at positions first[i] .. first[i] + len(tokens[i]) - 1 of each request, with those tokens and hidden
-        inputs [S, Q, H]: their K/V written to the pool, attention over positions 1 .. (earlier rows included).
+        inputs [S, Q, H] (the catch-up: real pairs only): their K/V written to the pool, attention over positions
+        1 .. (earlier rows included).
         -> h_out [S, Q, H]."""
         s, q_len = len(requests), hidden.shape[1]
         counts = torch.tensor([len(t) for t in tokens])
