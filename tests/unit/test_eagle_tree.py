@@ -1,5 +1,6 @@
 """EAGLE-2's dynamic tree bookkeeping (engine/spec_decode/eagle3/tree.py), checked against a brute-force reference:
-the chosen nodes are the budget best by cumulative log-probability, ancestor-closed, in topological order; expansion
+the chosen nodes are the budget best by cumulative log-probability, ancestor-closed, best first (a topological
+order whose every prefix is the tree of a smaller budget); expansion
 stops exactly when no frontier node can enter a tree."""
 
 import torch
@@ -44,6 +45,8 @@ def test_expansion_and_selection_match_brute_force():
     best = sorted(nodes, key=lambda c: -c[0])[:budget]
     assert sorted(paths) == sorted(p for _, p in best)
     assert all(parents[0][j] <= j for j in range(len(paths)))  # topological: a parent comes first
+    assert [p for p in paths] == [p for _, p in best]  # best first
+    assert tree.select([3]) == ([tokens[0][:3]], [parents[0][:3]])  # a smaller budget: a prefix
 
 
 def test_done_when_no_frontier_node_beats_the_budget_th_best():

@@ -5,7 +5,8 @@ are the first frontier; each depth, every frontier node is expanded into its `to
 best of those (by cumulative log-probability) become the next frontier. A row's tree is its `budget` best nodes of
 all that were generated: a child's score never exceeds its parent's (ties go to the older node), so the best
 `budget` nodes always include their ancestors and form a tree. Expansion can stop as soon as no frontier node
-scores above a row's budget-th best node: none of their descendants could enter any tree.
+scores above a row's budget-th best node: none of their descendants could enter any tree. Nodes are listed best
+first.
 
 Candidates are deterministic (the drafter's top-k, whatever the request's temperature), so verification uses the
 one-hot tree rule and stays exact.
@@ -56,15 +57,17 @@ class DynamicTree:
         self.count += scores.shape[1]
 
     def select(self, budgets: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        """Each row's best `budget` nodes in creation order (a topological order) -> (draft ids, parents with
-        0 = the root and j = the j-th node of the list)."""
+        """Each row's best `budget` nodes, best first -> (draft ids, parents with 0 = the root and j = the j-th node
+        of the list). Best first is a topological order (a parent outscores its child or ties with it and is
+        older), and any prefix is a tree: node j means "the j-th best" at every budget, which is what the
+        adaptive planner's per-node acceptance estimates assume."""
         scores = torch.cat(self.scores, dim=-1).float().cpu()
         tokens = torch.cat(self.tokens, dim=-1).cpu().tolist()
         parents = torch.cat(self.parents, dim=-1).cpu().tolist()
         order = scores.sort(dim=-1, descending=True, stable=True).indices.tolist()  # ties: the older node first
         out_tokens, out_parents = [], []
         for row, budget in enumerate(budgets):
-            chosen = sorted(order[row][:budget])
+            chosen = order[row][:budget]
             place = {c: j + 1 for j, c in enumerate(chosen)}
             out_tokens.append([tokens[row][c] for c in chosen])
             out_parents.append([place[parents[row][c]] if parents[row][c] >= 0 else 0 for c in chosen])
