@@ -1,12 +1,12 @@
 """EngineCore: the synchronous step loop over the target, the loaded proposers and the KV cache.
 
-`step()`: adaptive requests get this step's k (engine/spec_decode/adaptive.py); the scheduler hands each running request
-a token budget (a prefill chunk, or its last token + up to k proposed tokens); each request's proposer proposes at most
-that many (possibly none; a chain or a tree); ONE target forward runs over the whole ragged batch (prefill chunks and
-1 + proposed verify positions alike); `verify()` applies the chain rejection rule or the tree rule; then tokens are
-appended, rejected positions rolled back (O(1): computed lengths only; an accepted tree path's K/V moved into place),
-the proposers told what was accepted (and given target hidden states where they asked), and finished requests' blocks
-freed.
+`step()`: adaptive requests get this step's k (engine/spec_decode/controller.py); the scheduler hands each running
+request a token budget (a prefill chunk, or its last token + up to k proposed tokens); each request's proposer
+proposes at most that many (possibly none; a chain or a tree); ONE target forward runs over the whole ragged batch
+(prefill chunks and 1 + proposed verify positions alike); `verify()` applies the chain rejection rule or the tree
+rule; then tokens are appended, rejected positions rolled back (O(1): computed lengths only; an accepted tree path's
+K/V moved into place), the proposers told what was accepted (and given target hidden states where they asked), and
+finished requests' blocks freed.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.sched.block_allocator import BlockAllocator
 from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token
 from specserve.engine.sched.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.spec_decode.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, Row, plan
 from specserve.engine.spec_decode.base import ProposerContext
+from specserve.engine.spec_decode.controller import AdaptiveController, CostSource
 from specserve.engine.spec_decode.layout import RowLayout
 from specserve.engine.spec_decode.prediction import PredictionProposer, prediction_usage
 from specserve.engine.spec_decode.registry import NONE, check_methods, proposer_class
@@ -54,7 +54,8 @@ log = logging.getLogger("specserve.engine")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, cost_source: CostSource | None = None):
+        """`cost_source`: where adaptive k's costs come from (None: the engine's own timings; tests inject a model)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -73,7 +74,13 @@ class EngineCore:
                               target.get_input_embeddings())
         proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
         self.default_method = next(iter(proposers), NONE)
-        self.router = ProposalRouter(proposers, PredictionProposer(self.device), tree_attention)
+        self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
+        self.controller = AdaptiveController(self.num_speculative_tokens,
+                                             frozenset(n for n, p in proposers.items() if p.needs.tree),
+                                             frozenset(n for n, p in proposers.items() if p.needs.cost_per_step),
+                                             config.max_num_batched_tokens, cost_source)
+        self.router = ProposalRouter(proposers, PredictionProposer(self.device), tree_attention,
+                                     self.controller.observe_proposal)
         limits = [config.max_model_len, target.config.max_position_embeddings,
                   *(p.max_model_len for p in proposers.values())]
         self.max_model_len = min(x for x in limits if x)
@@ -90,7 +97,6 @@ class EngineCore:
                                   hidden_layers=hidden_layers)
         for p in proposers.values():
             p.bind_kv(num_blocks, config.block_size)
-        self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len,
                                    {n: p.needs.prefix_kv for n, p in self.router.kv_proposers.items()})
@@ -107,11 +113,6 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
-        # adaptive k: measured costs (the target's here, the proposers' in the router) and tracked acceptance
-        self.forward_cost = LinearCost()
-        self.per_step_cost = frozenset(n for n, p in proposers.items() if p.needs.cost_per_step)
-        self.tracker = AcceptanceTracker(self.num_speculative_tokens,
-                                         frozenset(n for n, p in proposers.items() if p.needs.tree))
 
     @staticmethod
     def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:
@@ -188,7 +189,7 @@ class EngineCore:
         """schedule -> propose -> forward -> verify -> update, each a call into the part that owns it; stats are
         collected beside."""
         t0 = time.perf_counter()
-        self._plan_adaptive()
+        self.controller.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
         self._apply_preemptions_and_cache_hits(sched)
         stats = StepStats(num_preempted=len(sched.preempted), prefix_cache_queries=sched.prefix_queries,
@@ -220,24 +221,6 @@ class EngineCore:
             self.router.copy_blocks(src, dst)
         for hit in sched.cache_hits:
             self.router.cache_hit(hit.request, hit.proposer_tokens)
-
-    def _plan_adaptive(self) -> None:
-        """This step's k of every decoding adaptive request: the choice that maximises the batch's expected emitted
-        tokens per second under the measured costs (engine/spec_decode/adaptive.py). Others keep their fixed k."""
-        running = self.scheduler.running
-        decoding = [r for r in running if r.num_computed_tokens == len(r.token_ids) - 1 and r.num_computed_tokens]
-        auto = [r for r in decoding if r.adaptive]
-        if not auto:
-            return
-        pending = sum(len(r.token_ids) - r.num_computed_tokens for r in running) - len(decoding)
-        base_tokens = min(len(decoding) + pending, self.config.max_num_batched_tokens)
-        rows = [Row(self.tracker.survival(r.request_id, r.method), r.num_speculative_tokens,
-                    r.method, self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
-        ks = plan(rows, base_tokens, len(decoding), self.forward_cost, self.router.draft_costs, self.per_step_cost)
-        for r, k in zip(auto, ks):
-            r.planned_k = k
-            if k == 0:
-                self.tracker.idle[r.request_id] = self.tracker.idle.get(r.request_id, 0) + 1
 
     def _propose(self, seqs: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[RowProposal | None]]:
         """Proposals for the rows the scheduler gave a speculative budget; each such row then computes 1 + what was
@@ -285,7 +268,7 @@ class EngineCore:
         forward's cost is observed for the adaptive planner."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the verify reads the logits right after anyway
-        self.forward_cost.observe(sum(s.num_new_tokens for s in seqs), time.perf_counter() - t_forward)
+        self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), time.perf_counter() - t_forward)
         for s in seqs:
             s.request.num_computed_tokens += s.num_new_tokens
             stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0
@@ -310,7 +293,7 @@ class EngineCore:
             req.speculation.steps_by_k[k] = req.speculation.steps_by_k.get(k, 0) + 1
             if k:
                 count_speculation(req, k, m, stats, prop.depth)
-                self.tracker.observe(req.request_id, prop.owner, k, m, res.paths[b])
+                self.controller.observe_verified(req.request_id, prop.owner, k, m, res.paths[b])
                 if prop.is_tree:
                     root = layout.roots[layout.emitting[b]]
                     src, dst = path_moves(req.block_ids, self.allocator.block_size, root, res.paths[b])
@@ -365,7 +348,7 @@ class EngineCore:
             usage = prediction_usage(req.prediction_token_ids, req.output_token_ids)
             req.speculation.accepted_prediction_tokens, req.speculation.rejected_prediction_tokens = usage
         self.scheduler.free(req)
-        self.tracker.forget(req.request_id)
+        self.controller.forget(req.request_id)
         self.router.free(req)
 
     def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> None:

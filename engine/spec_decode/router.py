@@ -12,7 +12,6 @@ import torch
 from specserve.engine.request import Request
 from specserve.engine.sample.tree import check_tree
 from specserve.engine.sample.verifier import DraftBatch
-from specserve.engine.spec_decode.adaptive import RecentMedian
 from specserve.engine.spec_decode.base import Proposal
 from specserve.engine.spec_decode.step_results import hidden_chunks, verified_rows
 
@@ -42,14 +41,14 @@ class ProposalRouter:
     """The engine's one door to the proposers: proposals (with their measured cost), one call after each verified
     step (hidden states, then what was accepted), and the lifecycle hooks (preempt, free, prefix-cache hits)."""
 
-    def __init__(self, proposers: dict, prediction, tree_attention: bool):
+    def __init__(self, proposers: dict, prediction, tree_attention: bool, on_cost=None):
+        """`on_cost(method, positions, seconds)` hears what each proposer call took (the adaptive controller)."""
         self.proposers = proposers  # name -> loaded method, the default first
         self.prediction = prediction  # the engine-owned Predicted Outputs proposer
         self.tree_attention = tree_attention
         # proposers keeping KV per position, which prefix caching shares and validates with the target's
         self.kv_proposers = {n: p for n, p in proposers.items() if p.needs.prefix_kv != "none"}
-        self.draft_costs: dict[str, float] = {}  # name -> seconds per drafted position, or per step (recent median)
-        self._timings: dict[str, RecentMedian] = {}
+        self.on_cost = on_cost
 
     def all(self) -> list:
         return [*self.proposers.values(), self.prediction]
@@ -68,9 +67,9 @@ class ProposalRouter:
             t0 = time.perf_counter()
             prop = proposer.propose([requests[i] for i in idx], caps, generator)
             rows_ids = prop.token_ids.tolist()  # (the host read ends the timing: the proposer's work is done)
-            positions = 1 if proposer.needs.cost_per_step else max(caps)
-            self.draft_costs[proposer.name] = self._timings.setdefault(proposer.name, RecentMedian()).add(
-                (time.perf_counter() - t0) / positions)
+            if self.on_cost is not None:
+                positions = 1 if proposer.needs.cost_per_step else max(caps)
+                self.on_cost(proposer.name, positions, time.perf_counter() - t0)
             for j, i in enumerate(idx):
                 n = prop.num_tokens[j]
                 if n:

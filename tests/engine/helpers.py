@@ -9,12 +9,28 @@ from specserve.engine.sampling_params import SamplingParams
 
 
 def make_core(model, draft=None, k=4, **kw) -> EngineCore:
+    """`cost_source=ModelCosts(...)` makes adaptive k's decisions independent of this machine's speed."""
     kw.setdefault("kv_cache_memory", 1 << 24)
     kw.setdefault("seed", 0)
+    costs = kw.pop("cost_source", None)
     return EngineCore(EngineConfig(model=str(model), draft_model=str(draft) if draft else None,
                                    num_speculative_tokens=k if draft or "speculative_method" in kw else 0,
                                    dtype=kw.pop("dtype", "float32"),
-                                   device=kw.pop("device", "cpu"), **kw))
+                                   device=kw.pop("device", "cpu"), **kw), costs)
+
+
+class ModelCosts:
+    """A CostSource for tests: a target forward costs `base + per_token * tokens` seconds, a proposal
+    `draft[method] * positions`, whatever the wall clock said."""
+
+    def __init__(self, base: float = 0.020, per_token: float = 0.0004, draft: dict[str, float] | None = None):
+        self.base, self.per_token, self.draft = base, per_token, draft or {}
+
+    def forward(self, num_tokens: int, measured: float) -> float:
+        return self.base + self.per_token * num_tokens
+
+    def propose(self, method: str, num_positions: int, measured: float) -> float:
+        return self.draft.get(method, 0.0) * num_positions
 
 
 def run(core: EngineCore, prompts, params: SamplingParams | list[SamplingParams], join_after: int | None = None,

@@ -1,0 +1,77 @@
+"""The adaptive controller: everything `num_speculative_tokens: auto` decides and learns, in one owner. Each step it
+plans the k of every decoding adaptive request (engine/spec_decode/adaptive.py: the batch's expected emitted tokens
+per second under the fitted costs and the tracked acceptance); it hears what the target forward and each proposer
+call cost, and what verification accepted.
+
+Costs come from an injected `CostSource`: `MeasuredCosts` passes on the wall-clock seconds the engine measured
+around the real work (production); a test passes a model of the costs instead, so that what the policy decides
+does not depend on how busy the machine running the test is.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from specserve.engine.request import Request
+from specserve.engine.spec_decode.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMedian, Row, plan
+
+
+class CostSource(Protocol):
+    def forward(self, num_tokens: int, measured: float) -> float:
+        """Seconds to attribute to a target forward over `num_tokens` tokens that took `measured` seconds."""
+
+    def propose(self, method: str, num_positions: int, measured: float) -> float:
+        """Seconds to attribute to a `method` proposal reaching `num_positions` positions (1 for the methods whose
+        cost is per step) that took `measured` seconds."""
+
+
+class MeasuredCosts:
+    """Production: what the engine measured."""
+
+    def forward(self, num_tokens: int, measured: float) -> float:
+        return measured
+
+    def propose(self, method: str, num_positions: int, measured: float) -> float:
+        return measured
+
+
+class AdaptiveController:
+    def __init__(self, k_max: int, tree_methods: frozenset, per_step_methods: frozenset, max_num_batched_tokens: int,
+                 costs: CostSource | None = None):
+        self.costs = costs if costs is not None else MeasuredCosts()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.per_step_methods = per_step_methods  # proposers whose cost hardly grows with k
+        self.forward_cost = LinearCost()  # target forward seconds against the step's token count
+        self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position, or per step (recent median)
+        self._timings: dict[str, RecentMedian] = {}
+        self.tracker = AcceptanceTracker(k_max, tree_methods)
+
+    def plan(self, running: list[Request]) -> None:
+        """This step's k (`planned_k`) of every decoding adaptive request; others keep their fixed k."""
+        decoding = [r for r in running if r.num_computed_tokens == len(r.token_ids) - 1 and r.num_computed_tokens]
+        auto = [r for r in decoding if r.adaptive]
+        if not auto:
+            return
+        pending = sum(len(r.token_ids) - r.num_computed_tokens for r in running) - len(decoding)
+        base_tokens = min(len(decoding) + pending, self.max_num_batched_tokens)
+        rows = [Row(self.tracker.survival(r.request_id, r.method), r.num_speculative_tokens, r.method,
+                    self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
+        ks = plan(rows, base_tokens, len(decoding), self.forward_cost, self.draft_costs, self.per_step_methods)
+        for r, k in zip(auto, ks):
+            r.planned_k = k
+            if k == 0:
+                self.tracker.idle[r.request_id] = self.tracker.idle.get(r.request_id, 0) + 1
+
+    def observe_forward(self, num_tokens: int, measured: float) -> None:
+        self.forward_cost.observe(num_tokens, self.costs.forward(num_tokens, measured))
+
+    def observe_proposal(self, method: str, num_positions: int, measured: float) -> None:
+        seconds = self.costs.propose(method, num_positions, measured)
+        self.draft_costs[method] = self._timings.setdefault(method, RecentMedian()).add(seconds / num_positions)
+
+    def observe_verified(self, request_id: str, method: str, k: int, m: int, path: list[int] | None) -> None:
+        """Request `request_id` proposed k nodes with `method`, m were accepted (`path`: a tree's accepted nodes)."""
+        self.tracker.observe(request_id, method, k, m, path)
+
+    def forget(self, request_id: str) -> None:
+        self.tracker.forget(request_id)
