@@ -200,8 +200,9 @@ class Eagle3Proposer(ProposerBase):
             ancestors = own.gather(1, rows[..., None].expand(-1, -1, own.shape[-1]))
         tokens, parents = tree.select(ks)
         ids = torch.full((s, max(ks)), -1, dtype=torch.long)
+        to_target = self.draft_to_target.cpu()  # one copy per proposal, not one per request
         for i, t in enumerate(tokens):
-            ids[i, : len(t)] = self.draft_to_target.cpu()[torch.tensor(t, dtype=torch.long)]
+            ids[i, : len(t)] = to_target[torch.tensor(t, dtype=torch.long)]
         return Proposal(ids.to(dev), [len(t) for t in tokens], None, parents)
 
     def _draft_logp(self, h: torch.Tensor) -> torch.Tensor:
