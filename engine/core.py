@@ -22,7 +22,7 @@ import torch
 from specserve.config.schema import EngineConfig
 from specserve.engine.admission import RequestBuilder
 from specserve.engine.errors import InvalidRequestError
-from specserve.engine.model.attention import PATTERN_ATTR, SeqChunk
+from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, SeqChunk
 from specserve.engine.model.loader import (
     check_model_path,
     default_kv_cache_memory,
@@ -268,7 +268,9 @@ class EngineCore:
         forward's cost is observed for the adaptive planner."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the verify reads the logits right after anyway
-        self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), time.perf_counter() - t_forward)
+        short = [s.num_new_tokens for s in seqs if s.num_new_tokens <= SHORT_QUERY]  # padded together
+        self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), len(short) * max(short, default=0),
+                                        time.perf_counter() - t_forward)
         for s in seqs:
             s.request.num_computed_tokens += s.num_new_tokens
             stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0

@@ -1,7 +1,7 @@
 """The adaptive controller: everything `num_speculative_tokens: auto` decides and learns, in one owner. Each step it
 plans the k of every decoding adaptive request (engine/spec_decode/adaptive.py: the batch's expected emitted tokens
-per second under the fitted costs and the tracked acceptance); it hears what the target forward and each proposer
-call cost, and what verification accepted.
+per second under the fitted step costs and the tracked acceptance); it hears what the target forward and each
+proposer call cost, and what verification accepted.
 
 Costs come from an injected `CostSource`: `MeasuredCosts` passes on the wall-clock seconds the engine measured
 around the real work (production); a test passes a model of the costs instead, so that what the policy decides
@@ -13,12 +13,15 @@ from __future__ import annotations
 from typing import Protocol
 
 from specserve.engine.request import Request
-from specserve.engine.spec_decode.adaptive import PROBE_EVERY, AcceptanceTracker, LinearCost, RecentMedian, Row, plan
+from specserve.engine.spec_decode.acceptance import PROBE_EVERY, AcceptanceTracker
+from specserve.engine.spec_decode.adaptive import Row, StepBase, plan
+from specserve.engine.spec_decode.costs import StepCosts
 
 
 class CostSource(Protocol):
-    def forward(self, num_tokens: int, measured: float) -> float:
-        """Seconds to attribute to a target forward over `num_tokens` tokens that took `measured` seconds."""
+    def forward(self, num_tokens: int, padded: int, measured: float) -> float:
+        """Seconds to attribute to a target forward over `num_tokens` tokens, whose short rows were padded to
+        `padded` query slots, that took `measured` seconds."""
 
     def propose(self, method: str, num_positions: int, measured: float) -> float:
         """Seconds to attribute to a `method` proposal reaching `num_positions` positions (1 for the methods whose
@@ -28,7 +31,7 @@ class CostSource(Protocol):
 class MeasuredCosts:
     """Production: what the engine measured."""
 
-    def forward(self, num_tokens: int, measured: float) -> float:
+    def forward(self, num_tokens: int, padded: int, measured: float) -> float:
         return measured
 
     def propose(self, method: str, num_positions: int, measured: float) -> float:
@@ -38,12 +41,10 @@ class MeasuredCosts:
 class AdaptiveController:
     def __init__(self, k_max: int, tree_methods: frozenset, per_step_methods: frozenset, max_num_batched_tokens: int,
                  costs: CostSource | None = None):
-        self.costs = costs if costs is not None else MeasuredCosts()
+        self.source = costs if costs is not None else MeasuredCosts()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.per_step_methods = per_step_methods  # proposers whose cost hardly grows with k
-        self.forward_cost = LinearCost()  # target forward seconds against the step's token count
-        self.draft_costs: dict[str, float] = {}  # method -> seconds per drafted position, or per step (recent median)
-        self._timings: dict[str, RecentMedian] = {}
+        self.costs = StepCosts()
         self.tracker = AcceptanceTracker(k_max, tree_methods)
 
     def plan(self, running: list[Request]) -> None:
@@ -52,22 +53,26 @@ class AdaptiveController:
         auto = [r for r in decoding if r.adaptive]
         if not auto:
             return
+        fixed = [r.num_speculative_tokens for r in decoding if not r.adaptive]
         pending = sum(len(r.token_ids) - r.num_computed_tokens for r in running) - len(decoding)
-        base_tokens = min(len(decoding) + pending, self.max_num_batched_tokens)
-        rows = [Row(self.tracker.survival(r.request_id, r.method), r.num_speculative_tokens, r.method,
-                    self.tracker.idle.get(r.request_id, 0) >= PROBE_EVERY) for r in auto]
-        ks = plan(rows, base_tokens, len(decoding), self.forward_cost, self.draft_costs, self.per_step_methods)
+        base = StepBase(min(len(decoding) + sum(fixed) + pending, self.max_num_batched_tokens), len(decoding),
+                        len(decoding), 1 + max(fixed, default=0))
+        rows = []
+        for r in auto:
+            s = self.tracker.survival(r.request_id, r.method)
+            idle = self.tracker.idle.get(r.request_id, 0)
+            rows.append(Row(s, r.num_speculative_tokens, r.method, idle >= PROBE_EVERY))
+        ks = plan(rows, base, self.costs, self.per_step_methods)
         for r, k in zip(auto, ks):
             r.planned_k = k
             if k == 0:
-                self.tracker.idle[r.request_id] = self.tracker.idle.get(r.request_id, 0) + 1
+                self.tracker.idle_step(r.request_id)
 
-    def observe_forward(self, num_tokens: int, measured: float) -> None:
-        self.forward_cost.observe(num_tokens, self.costs.forward(num_tokens, measured))
+    def observe_forward(self, num_tokens: int, padded: int, measured: float) -> None:
+        self.costs.observe_forward(num_tokens, padded, self.source.forward(num_tokens, padded, measured))
 
     def observe_proposal(self, method: str, num_positions: int, measured: float) -> None:
-        seconds = self.costs.propose(method, num_positions, measured)
-        self.draft_costs[method] = self._timings.setdefault(method, RecentMedian()).add(seconds / num_positions)
+        self.costs.observe_proposal(method, num_positions, self.source.propose(method, num_positions, measured))
 
     def observe_verified(self, request_id: str, method: str, k: int, m: int, path: list[int] | None) -> None:
         """Request `request_id` proposed k nodes with `method`, m were accepted (`path`: a tree's accepted nodes)."""
@@ -75,3 +80,11 @@ class AdaptiveController:
 
     def forget(self, request_id: str) -> None:
         self.tracker.forget(request_id)
+
+    def report(self) -> dict:
+        """The fitted costs and how well they predicted the steps (for benches and debugging)."""
+        f = self.costs.forward.coefficients()
+        return {"forward_seconds": {"intercept": f[0], "per_token": f[1], "per_padded_slot": f[2]},
+                "proposer_seconds": {m: dict(zip(("intercept", "per_position"), c.coefficients()))
+                                     for m, c in self.costs.proposers.items()},
+                "step_prediction": self.costs.log.summary()}

@@ -20,14 +20,15 @@ def make_core(model, draft=None, k=4, **kw) -> EngineCore:
 
 
 class ModelCosts:
-    """A CostSource for tests: a target forward costs `base + per_token * tokens` seconds, a proposal
-    `draft[method] * positions`, whatever the wall clock said."""
+    """A CostSource for tests: a target forward costs `base + per_token * tokens + per_padded * padded slots`
+    seconds, a proposal `draft[method] * positions`, whatever the wall clock said."""
 
-    def __init__(self, base: float = 0.020, per_token: float = 0.0004, draft: dict[str, float] | None = None):
-        self.base, self.per_token, self.draft = base, per_token, draft or {}
+    def __init__(self, base: float = 0.020, per_token: float = 0.0004, draft: dict[str, float] | None = None,
+                 per_padded: float = 0.0):
+        self.base, self.per_token, self.draft, self.per_padded = base, per_token, draft or {}, per_padded
 
-    def forward(self, num_tokens: int, measured: float) -> float:
-        return self.base + self.per_token * num_tokens
+    def forward(self, num_tokens: int, padded: int, measured: float) -> float:
+        return self.base + self.per_token * num_tokens + self.per_padded * padded
 
     def propose(self, method: str, num_positions: int, measured: float) -> float:
         return self.draft.get(method, 0.0) * num_positions

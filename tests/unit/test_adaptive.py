@@ -1,141 +1,183 @@
-"""Adaptive k: the cost fit, the acceptance estimates, and the plan's choices in the regimes that matter (pays /
-does not pay / some rows pay / probing)."""
+"""Adaptive k: the step cost model, the acceptance estimates, and the plan's choices in the regimes that matter
+(pays / does not pay / some rows pay / padding / probing)."""
 
 import pytest
 
-from specserve.engine.spec_decode.adaptive import (
-    MARGIN,
-    PRIOR_ACCEPT,
-    AcceptanceTracker,
-    LinearCost,
-    Row,
-    goodput,
-    plan,
-)
+from specserve.engine.spec_decode.acceptance import PRIOR_WEIGHT, PROBE_EVERY, AcceptanceTracker
+from specserve.engine.spec_decode.adaptive import Row, StepBase, goodput, plan
+from specserve.engine.spec_decode.costs import OnlineLinear, StepCosts, forward_prior, proposer_prior
 
 
-def _cost(a=0.030, b=0.0006, xs=(1, 5, 9, 16, 32, 64)):
-    c = LinearCost()
+def _costs(a=0.030, b=0.0006, pad=0.0, draft: dict | None = None, xs=(1, 5, 9, 16, 32, 64)):
+    """Step costs fitted on exact observations: forward a + b tokens + pad padded slots, proposer per position."""
+    c = StepCosts()
     for _ in range(30):
         for x in xs:
-            c.observe(x, a + b * x)
+            for padded in (x, 2 * x, 4 * x):  # one row, or short rows padded to a wider one
+                c.observe_forward(x, padded, a + b * x + pad * padded)
+        for m, per in (draft or {}).items():
+            for n in (1, 2, 4):
+                c.observe_proposal(m, n, per * n)
     return c
 
 
-def test_linear_cost_fits_the_line_and_keeps_a_prior_slope_when_x_never_varies():
-    a, b = _cost().coefficients()
-    assert a == pytest.approx(0.030, rel=0.05) and b == pytest.approx(0.0006, rel=0.1)
-    flat = LinearCost()
+def test_forward_fit_separates_tokens_from_padding_and_keeps_a_prior_slope_when_x_never_varies():
+    c = _costs(pad=0.0003)
+    intercept, per_token, per_pad = c.forward.coefficients()
+    assert intercept == pytest.approx(0.030, rel=0.05) and per_token == pytest.approx(0.0006, rel=0.1)
+    assert per_pad == pytest.approx(0.0003, rel=0.15)
+    flat = OnlineLinear(2, forward_prior)
+    assert not flat.known
     for _ in range(50):
-        flat.observe(4, 0.05)
-    a, b = flat.coefficients()
-    assert flat(4) == pytest.approx(0.05, rel=0.05) and 0 < b < 0.05 * 0.05
-    assert not LinearCost().known
+        flat.observe((4, 4), 0.05)
+    _, slope, pad = flat.coefficients()
+    assert flat(4, 4) == pytest.approx(0.05, rel=0.05) and 0 < slope + pad < 0.05 * 0.05
     # a long prefill first, then decode steps of 1 token: the intercept is the decode cost, never 0
-    mixed = LinearCost()
-    mixed.observe(60, 0.090)
+    mixed = OnlineLinear(2, forward_prior)
+    mixed.observe((60, 0), 0.090)
     for _ in range(20):
-        mixed.observe(1, 0.027)
-    a, b = mixed.coefficients()
-    assert a == pytest.approx(0.027, rel=0.1) and b == pytest.approx((0.090 - 0.027) / 59, rel=0.5)
+        mixed.observe((1, 1), 0.027)
+    assert mixed.coefficients()[0] == pytest.approx(0.027, rel=0.1)
 
 
-def test_tracker_estimates_per_position_and_starts_from_the_method():
+def test_costs_never_fall_with_work():
+    """Noise that would fit a negative slope is refit with that slope held at 0."""
+    m = OnlineLinear(1, proposer_prior)
+    for x, y in [(1, 0.010), (4, 0.006)] * 20:
+        m.observe((x,), y)
+    intercept, slope = m.coefficients()
+    assert slope == 0.0 and 0.006 < intercept < 0.010
+    two = OnlineLinear(2, forward_prior)  # one slope negative, then the other once the first is held at 0
+    for t, p, y in [(1, 1, 0.060), (5, 5, 0.058), (4, 16, 0.059), (8, 32, 0.057)] * 20:
+        two.observe((t, p), y)
+    assert min(two.coefficients()) >= 0.0 and two(1, 1) == pytest.approx(0.0585, rel=0.05)
+
+
+def test_a_proposer_intercept_is_learned_from_varied_lengths():
+    """A draft that first catches up (8 ms) and then drafts 2 ms per position: the fit finds both, so a longer
+    proposal is not priced as if each position carried the catch-up."""
+    m = OnlineLinear(1, proposer_prior)
+    for _ in range(20):
+        for n in (1, 2, 4):
+            m.observe((n,), 0.008 + 0.002 * n)
+    intercept, slope = m.coefficients()
+    assert intercept == pytest.approx(0.008, rel=0.1) and slope == pytest.approx(0.002, rel=0.1)
+
+
+def test_the_step_prediction_is_logged_against_the_measurement():
+    c = StepCosts()
+    for i in range(40):
+        c.observe_proposal("draft", 2, 0.004)
+        c.observe_forward(4, 4, 0.030 * (1.2 if i % 2 else 1.0))
+    s = c.log.summary()
+    assert s["steps"] == 39 and 0.05 < s["median_abs_error"] < 0.15
+
+
+def test_tracker_estimates_per_position_and_starts_from_the_population():
     t = AcceptanceTracker(4)
-    assert t.survival("a", "draft") == pytest.approx([PRIOR_ACCEPT ** j for j in range(1, 5)])
+    assert t.survival("a", "draft") == pytest.approx([0.5 ** j for j in range(1, 5)])  # a coin flip per position
     for _ in range(40):
         t.observe("a", "draft", 4, 1)  # first draft always accepted, second always rejected
     rates = t.rates("a", "draft")
-    assert rates[0] > 0.99 and rates[1] < 0.01 and rates[2] == PRIOR_ACCEPT  # position 3 never observed
-    assert t.survival("a", "draft")[1] < 0.01
-    assert t.rates("b", "draft")[0] > PRIOR_ACCEPT  # a new request starts from the method's estimates
+    assert rates[0] > 0.95 and rates[1] < 0.05 and rates[2] == pytest.approx(0.5)  # position 3 never observed
+    assert t.rates("b", "draft")[0] > 0.95  # a new request starts from its population
     t.forget("a")
     assert t.rates("a", "draft") == t.rates("b", "draft")
 
 
-def test_plan_speculates_fully_when_it_pays_and_not_at_all_when_it_does_not():
-    cost = _cost()
-    good = [Row([0.9, 0.81, 0.73, 0.66], 4, "draft")] * 2
-    assert plan(good, 2, 2, cost, {"draft": 0.002}) == [4, 4]
-    bad = [Row([0.05, 0.0025, 0.0001, 0.0], 4, "draft")] * 2
-    assert plan(bad, 2, 2, cost, {"draft": 0.003}) == [0, 0]
-    # good acceptance, but each draft position costs as much as a target forward: not worth it
-    assert plan(good, 2, 2, cost, {"draft": 0.05}) == [0, 0]
+def test_a_request_moves_off_its_population_within_a_few_steps_and_drifts_back_when_idle():
+    t = AcceptanceTracker(2)
+    for i in range(200):  # the population: first draft accepted 80% of the time
+        t.observe(f"w{i}", "draft", 1, int(i % 5 != 0))
+    pop = t.rates("new", "draft")[0]
+    assert pop == pytest.approx(0.8, abs=0.05)
+    for _ in range(4):
+        t.observe("a", "draft", 1, 0)  # this request's drafts all fail
+    low = t.rates("a", "draft")[0]
+    assert low < 0.4
+    for _ in range(10):
+        t.idle_step("a")  # it stopped speculating: its evidence fades, its population's comes back
+    assert t.rates("a", "draft")[0] > 0.65 and t.idle["a"] == 10
 
 
-def test_plan_does_not_take_a_break_even_speculation():
-    """16 streams at acceptance 0.35: k = 1 for all promises under MARGIN more goodput than plain, so plain it is."""
-    cost = _cost()
-    rows = [Row([0.35, 0.12, 0.04, 0.01], 4, "draft")] * 16
-    gain = goodput(rows, [1] * 16, 16, 16, cost, {"draft": 0.0035}) / goodput(rows, [0] * 16, 16, 16, cost, {})
-    assert 1.0 < gain < 1 + MARGIN  # it would pay on paper, barely
-    assert plan(rows, 16, 16, cost, {"draft": 0.0035}) == [0] * 16
-    assert plan(rows[:1], 1, 1, cost, {"draft": 0.0035}) == [1]  # one stream: the same acceptance clearly pays
-
-
-def test_plan_trims_rows_whose_slots_do_not_pay_and_probes_idle_ones():
-    cost = _cost(a=0.010, b=0.002)  # verify work is expensive per token here
-    rows = [Row([0.95, 0.9, 0.85, 0.8], 4, "ngram"), Row([0.01, 0.0, 0.0, 0.0], 4, "ngram"),
-            Row([0.01, 0.0, 0.0, 0.0], 4, "ngram", probe=True)]
-    ks = plan(rows, 3, 3, cost, {})
-    assert ks[0] >= 3 and ks[1] == 0 and ks[2] == 1
-    assert goodput(rows, ks, 3, 3, cost, {}) > goodput(rows, [0, 0, 0], 3, 3, cost, {})
-
-
-def test_plan_before_any_measurement_proposes_the_caps():
-    assert plan([Row([0.1] * 4, 3, "draft"), Row([0.1] * 4, 0, "draft")], 2, 2, LinearCost(), {}) == [3, 0]
-
-
-def test_recent_median_ignores_a_one_off_spike():
-    from specserve.engine.spec_decode.adaptive import RecentMedian
-
-    m = RecentMedian(5)
-    assert m.add(1.0) == 1.0
-    assert m.add(50.0) == 25.5 and m.add(1.2) == 1.2 and m.add(0.9) == pytest.approx(1.1)
-
-
-def test_tracker_estimates_tree_nodes_directly():
-    """A tree method's slot j is node j: its survival is P(node j is on the accepted path), estimated directly
-    (a chain's product of per-position rates would credit siblings with their elder's acceptance)."""
+def test_trees_and_chains_follow_the_same_rule():
+    """A tree method's slot j is node j (best first): its survival is estimated directly, kept non-increasing;
+    three misses move a rare-hit node's estimate as much as they move a chain's, relative to the evidence weight
+    (no per-method rates)."""
     t = AcceptanceTracker(6, tree_methods=frozenset({"medusa"}))
-    assert t.survival("a", "medusa") == pytest.approx([PRIOR_ACCEPT ** j for j in range(1, 7)])
+    assert t.survival("a", "medusa") == pytest.approx([0.5 ** j for j in range(1, 7)])
     for _ in range(80):  # nodes 1 and 2 are siblings at depth 1 (node 2 always wins), node 5 is node 2's child
         t.observe("a", "medusa", 5, 2, path=[0, 2, 5])
     s = t.survival("a", "medusa")
-    assert s[0] < 0.01 and s[1] > 0.99 and s[2] < 0.01 and s[3] < 0.01 and s[4] > 0.99
-    assert s[5] == pytest.approx(PRIOR_ACCEPT ** 6)  # node 6 was never proposed
-    assert t.survival("b", "medusa")[1] > PRIOR_ACCEPT ** 2  # a new request starts from the method's estimates
-    t.observe("a", "medusa", 2, 0)  # a chain step of a tree method (no path given): nothing accepted
-    assert t.survival("a", "medusa")[1] < 0.99
-    # chains are unchanged: node j accepted iff the first j were
-    chain = AcceptanceTracker(4)
-    chain.observe("a", "draft", 4, 2, path=[0, 1, 2])
-    assert chain.rates("a", "draft")[2] < PRIOR_ACCEPT
+    assert s[0] > 0.95 * s[1]  # kept non-increasing: node 1 (listed first) is never estimated below node 2
+    assert s[5] <= s[4]
+    for i in range(200):  # a population whose first node is right 1 step in 4
+        hit = i % 4 == 0
+        t.observe(f"w{i}", "medusa", 1, int(hit), path=[0, 1] if hit else [0])
+    for _ in range(3):
+        t.observe("b", "medusa", 1, 0, path=[0])
+    assert 0.05 < t.survival("b", "medusa")[0] < t.survival("new", "medusa")[0]
+    assert PRIOR_WEIGHT > 0
+
+
+def test_plan_speculates_fully_when_it_pays_and_not_at_all_when_it_does_not():
+    costs = _costs(draft={"draft": 0.002})
+    base = StepBase(2, 2, 2)
+    good = [Row([0.9, 0.81, 0.73, 0.66], 4, "draft")] * 2
+    assert plan(good, base, costs) == [4, 4]
+    bad = [Row([0.05, 0.0025, 0.0001, 0.0], 4, "draft")] * 2
+    assert plan(bad, base, costs) == [0, 0]
+    dear = _costs(draft={"draft": 0.05})  # good acceptance, but a draft position costs more than a target forward
+    assert plan(good, base, dear) == [0, 0]
+
+
+def test_a_per_step_proposer_intercept_is_charged_once():
+    """A draft that costs 10 ms per call plus 1 ms per position pays at k = 4 (4 x 0.7 survival) but would not if the
+    10 ms were charged per position, which is what the old per-position median did after k = 1 steps."""
+    costs = _costs(a=0.030, b=0.0006)
+    for _ in range(30):
+        for n in (1, 2, 4):
+            costs.observe_proposal("draft", n, 0.010 + 0.001 * n)
+    rows = [Row([0.7, 0.49, 0.34, 0.24], 4, "draft")]
+    assert plan(rows, StepBase(1, 1, 1), costs) == [4]
+
+
+def test_padding_makes_uniform_lengths_pay_where_one_long_row_does_not():
+    """16 rows, one with a long good streak: on a machine where padded slots cost, lifting one row to k = 4 pads the
+    other 15 too, so the plan keeps it shorter than it would without padding."""
+    rows = [Row([0.95, 0.9, 0.85, 0.8], 4, "ngram")] + [Row([0.02, 0.0, 0.0, 0.0], 4, "ngram")] * 15
+    base = StepBase(16, 16, 16)
+    free_pad = plan(rows, base, _costs(a=0.060, b=0.001))
+    dear_pad = plan(rows, base, _costs(a=0.060, b=0.001, pad=0.0006))
+    assert free_pad[0] == 4 and dear_pad[0] < 4
+    assert all(k == 0 for k in free_pad[1:] + dear_pad[1:])
+
+
+def test_plan_trims_rows_whose_slots_do_not_pay_and_probes_idle_ones():
+    costs = _costs(a=0.010, b=0.002)  # verify work is expensive per token here
+    rows = [Row([0.95, 0.9, 0.85, 0.8], 4, "ngram"), Row([0.01, 0.0, 0.0, 0.0], 4, "ngram"),
+            Row([0.01, 0.0, 0.0, 0.0], 4, "ngram", probe=True)]
+    base = StepBase(3, 3, 3)
+    ks = plan(rows, base, costs)
+    assert ks[0] >= 3 and ks[1] == 0 and ks[2] == 1
+    assert goodput(rows, ks, base, costs) > goodput(rows, [0, 0, 0], base, costs)
+    assert PROBE_EVERY > 1
+
+
+def test_plan_before_any_measurement_proposes_the_caps():
+    assert plan([Row([0.1] * 4, 3, "draft"), Row([0.1] * 4, 0, "draft")], StepBase(2, 2, 2), StepCosts()) == [3, 0]
 
 
 def test_a_per_step_cost_is_paid_once_whatever_the_tree_size():
     """Medusa's heads cost the same for 3 nodes or 16: charged per position, a wide tree looks 16x dearer than it is
     and the plan stays small; charged once, the plan takes the nodes whose survival pays for their verify rows."""
-    cost = _cost(a=0.040, b=0.001)
+    costs = _costs(a=0.040, b=0.001)
+    for _ in range(30):
+        costs.observe_proposal("medusa", 1, 0.004)
     survival = [0.3, 0.15, 0.1, 0.08, 0.06, 0.05, 0.04, 0.03] + [0.02] * 8
     rows = [Row(survival, 16, "medusa")]
-    assert goodput(rows, [8], 1, 1, cost, {"medusa": 0.004}, frozenset({"medusa"})) == pytest.approx(
-        goodput(rows, [8], 1, 1, cost, {"medusa": 0.0005}))  # 4 ms once = 0.5 ms x 8 positions
-    per_position = plan(rows, 1, 1, cost, {"medusa": 0.004})
-    per_step = plan(rows, 1, 1, cost, {"medusa": 0.004}, frozenset({"medusa"}))
+    base = StepBase(1, 1, 1)
+    per_step = plan(rows, base, costs, frozenset({"medusa"}))
+    per_position = plan(rows, base, costs)
     assert per_position[0] < per_step[0]
     assert all(s >= 0.02 for s in survival[: per_step[0]])  # every node kept is worth its verify row
-
-
-def test_a_tree_request_keeps_its_estimate_through_a_few_misses():
-    """Medusa's first node is right ~1 step in 4: three misses in a row must not take a request's estimate to ~0
-    (then it stops speculating); a chain's estimate moves faster, as before."""
-    tree, chain = AcceptanceTracker(4, frozenset({"medusa"})), AcceptanceTracker(4)
-    for i in range(200):  # the method's estimate, which a new request starts from: 0.25
-        hit = i % 4 == 0
-        tree.observe("warm", "medusa", 1, int(hit), path=[0, 1] if hit else [0])
-    for _ in range(3):
-        tree.observe("a", "medusa", 1, 0, path=[0])
-        chain.observe("a", "draft", 1, 0)
-    assert tree.survival("a", "medusa")[0] > 0.15
-    assert chain.survival("a", "draft")[0] < 0.25

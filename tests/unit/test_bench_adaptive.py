@@ -5,13 +5,19 @@ from collections import Counter
 
 import pytest
 
-from bench.adaptive import main, settings_for, summarise
+from bench.adaptive import batches, main, settings_for, summarise
 
 
 def test_settings_cap_fixed_ks_at_the_methods_reach():
     assert settings_for(4, False, [1, 2, 3, 4], [4, 8]) == ["plain", "k=1", "k=2", "k=3", "k=4", "auto"]
     assert settings_for(3, False, [1, 2, 3, 4], [4, 8]) == ["plain", "k=1", "k=2", "k=3", "auto"]
     assert settings_for(12, True, [1, 2], [4, 8, 16, 31]) == ["plain", "k=4", "k=8", "k=12", "auto"]
+
+
+def test_prompts_go_c_per_call_cycled_to_at_least_the_minimum():
+    assert batches(["a", "b", "c"], 1, 2) == [["a"], ["b"]]
+    assert batches(["a", "b", "c"], 2, 3) == [["a", "b"], ["c", "a"]]
+    assert batches(["a", "b"], 4, 2) == [["a", "b", "a", "b"]]
 
 
 def test_summary_medians_ratios_per_round_and_the_k_histogram():
@@ -29,9 +35,10 @@ def test_summary_medians_ratios_per_round_and_the_k_histogram():
 
 def test_a_tiny_run_reports_every_setting(tiny, capsys):
     report = main(["--model", str(tiny["llama"]), "--methods", "ngram", "--concurrency", "1,2", "--rounds", "1",
-                   "--max-tokens", "6", "--dtype", "float32", "--kv-cache-memory", str(1 << 24)])
+                   "--max-tokens", "6", "--workloads", "chat", "--dtype", "float32", "--kv-cache-memory", str(1 << 24)])
     assert [(r["method"], r["concurrency"]) for r in report["results"]] == [("ngram", 1), ("ngram", 2)]
     for r in report["results"]:
         assert set(r["summary"]["tokens_per_s"]) == set(r["settings"]) == {"plain", "k=1", "k=2", "k=3", "k=4",
                                                                              "auto"}
-    assert "| ngram | 2 |" in capsys.readouterr().err
+        assert r["step_prediction"]["steps"] > 0 and r["workload"] == "chat"
+    assert "| chat | ngram | 2 |" in capsys.readouterr().err
