@@ -1,5 +1,6 @@
 """specserve against its peers on one machine, one server after another, same target, same prompts, same client
-(bench/loadgen.py): specserve plain / fixed k / auto, `transformers serve --continuous-batching`, and llama.cpp's
+(bench/loadgen.py): specserve plain / fixed k / auto, the demo default (EAGLE-3) and the weight-only quantizations
+(int8, int4: plain, and int4 with the demo default), `transformers serve --continuous-batching`, and llama.cpp's
 `llama-server` on the GGUF file (plain, and with a GGUF draft when given); plus HF `generate()` plain and with
 `assistant_model` (our full-vocabulary draft) at batch 1 (bench/hf_generate.py, concurrency 1 only).
 
@@ -70,9 +71,16 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
     spec = [sys.executable, "-m", "specserve", "serve", "--host", HOST, "--port", str(port), "--model", str(hf_dir),
             "--draft-model", draft, "--max-num-seqs", str(max(args.concurrency))]
     dtype = str(hf_dir).rsplit("-", 1)[-1]  # the copy's directory name ends in its dtype
+    # the demo target itself (the GGUF file, bundled proposers): bf16, and the weight-only quantizations (int4 on
+    # the Q4_1 file runs its own 4-bit codes); "-eagle3" rows use the demo default method (EAGLE-3, auto k)
+    demo = spec[:spec.index("--model")] + ["--max-num-seqs", str(max(args.concurrency))]
     cmds = {"specserve-plain": spec + ["--speculative-method", "none"],
             "specserve-k2": spec + ["--num-speculative-tokens", "2"],
             "specserve-auto": spec + ["--num-speculative-tokens", "auto"],
+            "specserve-eagle3": demo,
+            "specserve-int8": demo + ["--quantization", "int8", "--speculative-method", "none"],
+            "specserve-int4": demo + ["--quantization", "int4", "--speculative-method", "none"],
+            "specserve-int4-eagle3": demo + ["--quantization", "int4"],
             "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(hf_dir),
                              "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
                              "--dtype", dtype]}

@@ -62,6 +62,8 @@ HELP: dict[str, tuple[str, str | None]] = {
     "dtype": ("weights/activations dtype: auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16",
               None),
     "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
+    "quantization": ("weight-only quantized linear layers on CPU: int8 (per-channel) | int4 (groups of 32; a Q4_1 "
+                     "GGUF keeps its own 4-bit weights) | none", "none: the dtype's weights"),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
                         "min(4 GiB, RAM/4) on CPU"),
     "max_num_seqs": ("most sequences running in one step", None),

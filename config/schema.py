@@ -28,6 +28,8 @@ def parse_k(value, field: str = "num_speculative_tokens", minimum: int = 0) -> i
     return value
 
 
+QUANTIZATIONS = ("int8", "int4")  # weight-only; engine/model/quantize.py
+
 @dataclass(frozen=True)
 class SpeculativeMethodConfig:
     """One loaded speculation method (vLLM's `speculative_config` keys). `method` is checked against the engine's
@@ -128,6 +130,7 @@ class EngineConfig:
     speculative_eagle_topk: int = 1  # eagle3: > 1 drafts dynamic trees (SGLang's flag); k is then the node budget
     speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
     dtype: str = "auto"  # auto = bf16 where the device computes it natively, else fp16 (CUDA) or fp32 (CPU)
+    quantization: str | None = None  # weight-only int8 / int4 linear layers (CPU kernels); None: the dtype's weights
     device: str = "auto"  # auto = cuda when present
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
     max_num_seqs: int = 64
@@ -158,6 +161,10 @@ class EngineConfig:
             if not ok:
                 raise ValueError(f"{name}: {msg}")
         check_medusa_fields(self)
+        quant = None if self.quantization in (None, "", "none") else str(self.quantization).lower()
+        if quant is not None and quant not in QUANTIZATIONS:
+            raise ValueError(f"quantization: {self.quantization!r} is not one of none, {', '.join(QUANTIZATIONS)}")
+        object.__setattr__(self, "quantization", quant)
         object.__setattr__(self, "num_speculative_tokens", parse_k(self.num_speculative_tokens))
         # the methods, parsed once here; their names are checked where the registry lives
         # (specserve.engine.spec_decode.registry.check_methods: the server's CLI before listening, the engine at load)

@@ -66,7 +66,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(target_path, remote)
         if config.chat_template:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
-        target = load_model(target_path, self.dtype, self.device, remote)
+        target = load_model(target_path, self.dtype, self.device, remote, quantization=config.quantization)
         self.vocab_size = target.config.vocab_size
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
@@ -108,7 +108,8 @@ class EngineCore:
                                       {n: p.num_speculative_tokens for n, p in proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
                                       frozenset(self.eos_token_ids), self.device,
-                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{config.trust_remote_code}",
+                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{config.quantization}|"
+                                      f"{config.trust_remote_code}",
                                       self.grammars)
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.engine.errors import InvalidRequestError
 from specserve.engine.model.attention import ATTN_IMPLEMENTATION, register_attention
+from specserve.engine.model.quantize import quantize_linears
 from specserve.engine.model.support import check_supported
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -73,11 +74,17 @@ def _gguf_error(path, field: str, exc: Exception) -> InvalidRequestError:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               field: str = "model"):
+               field: str = "model", quantization: str | None = None):
+    """`quantization` (int8 | int4): the decoder's linear layers become weight-only quantized ones
+    (engine/model/quantize.py), quantized from fp32 weights; CPU only."""
     register_attention()
+    if quantization is not None and device.type != "cpu":
+        raise InvalidRequestError(f"quantization: {quantization} uses torch's CPU kernels; on {device.type} load "
+                                  "the model unquantized (or pre-quantized for a GPU server)", "quantization")
     name, extra = _pretrained_args(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **extra)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if quantization else dtype,
+                                                     trust_remote_code=trust_remote_code, **extra)
     except (ValueError, KeyError, OSError, RuntimeError, ImportError) as exc:
         if not extra:
             raise
@@ -91,6 +98,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
             f"{field} {path}: {type(model).__name__} does not route attention through transformers' "
             "AttentionInterface, which the engine's paged KV cache needs", field)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if quantization is not None:
+        quantize_linears(model, quantization, dtype)
+        model = model.to(dtype)  # the rest (embeddings, norms, the head); int codes keep their dtype
     return model.to(device).eval()
 
 

@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from specserve.engine.model.quantize import quantize_linears
 from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.tiny_models import build_word_tokenizer, save_llama
@@ -60,8 +61,10 @@ def _reference(logits: np.ndarray, kw: dict, counts: np.ndarray) -> np.ndarray:
     return p
 
 
-def _exact_law(target_path, kw, prompt=PROMPT) -> np.ndarray:
+def _exact_law(target_path, kw, prompt=PROMPT, quantization=None) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    if quantization:  # the law of the quantized model is the one the engine must follow
+        quantize_linears(model, quantization, torch.float32)
 
     def next_probs(prefix, generated):
         with torch.no_grad():
@@ -77,15 +80,15 @@ def _exact_law(target_path, kw, prompt=PROMPT) -> np.ndarray:
     return law.ravel()
 
 
-def _p_value(target_path, draft_path, kw, prompt=PROMPT, max_tokens=4, **engine) -> float:
+def _p_value(target_path, draft_path, kw, prompt=PROMPT, max_tokens=4, quantization=None, **engine) -> float:
     engine = engine or dict(draft=draft_path, k=2)
     core = make_core(target_path, max_num_seqs=2048, max_num_batched_tokens=8192, kv_cache_memory=1 << 26, seed=1,
-                     **engine)
+                     quantization=quantization, **engine)
     outs = run(core, [prompt] * N, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
     seqs = np.array([o.output_token_ids[:3] for o in outs])  # t2, t3 come from one k = 2 chain
     assert sum(o.speculation.num_draft_tokens for o in outs) >= 2 * N  # the draft really proposed
     observed = np.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V ** 3).astype(float)
-    expected = _exact_law(target_path, kw, prompt) * N
+    expected = _exact_law(target_path, kw, prompt, quantization) * N
     assert observed[expected == 0].sum() == 0, "sampled a sequence the target law forbids"
     big = expected >= 5  # chi-square needs populated cells; pool the rest into one
     obs = np.append(observed[big], observed[~big].sum())
@@ -97,6 +100,11 @@ def _p_value(target_path, draft_path, kw, prompt=PROMPT, max_tokens=4, **engine)
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_three_tokens_follow_target_law(pair, case):
     assert _p_value(*pair, CASES[case]) > 1e-3
+
+
+def test_an_int4_target_keeps_its_own_law(pair):
+    """Weight-only int4 target (the draft unquantized): sampled output follows the quantized target's law."""
+    assert _p_value(*pair, CASES["temperature_1"], quantization="int4") > 1e-3
 
 
 def test_law_check_fails_on_resampling_from_the_target(pair, monkeypatch):

@@ -1,0 +1,96 @@
+"""Weight-only quantized linear layers (`--quantization int8|int4`, vLLM's flag name), on torch's packed CPU kernels.
+
+- int8: per-output-channel symmetric scales, `aten._weight_int8pack_mm` (activations in bf16/fp16/fp32).
+- int4: groups of `INT4_GROUP` input features with a scale and a minimum each (asymmetric, codes 0..15),
+  `aten._weight_int4pack_mm_for_cpu` on weights packed by `aten._convert_weight_to_int4pack_for_cpu`. The kernel's
+  convention is w = (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+
+A GGUF file's Q4_1 tensors are groups of 32 with a scale d and a minimum m, whose codes span 0..15 in every block
+llama.cpp writes (d = (max - min) / 15): re-quantizing the dequantized weights by group min/max recovers the file's
+codes, d and m exactly (up to the rounding of d and m to the activations' dtype), so `int4` on a Q4_1 GGUF runs the
+file's own 4-bit model instead of a bf16 copy of it.
+
+Every `nn.Linear` of the decoder is replaced except the output head (`lm_head`), which stays in the model's dtype:
+it is usually tied to the input embeddings (a gather), and the speculative methods read its weight.
+Losslessness is with respect to the quantized model: speculative output equals plain output of the same quantized
+weights (tests/engine/test_quantization.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.config.schema import QUANTIZATIONS
+
+INT4_GROUP = 32
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.register_buffer("qweight", (w / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (codes [N, K] int32 in 0..15, scales [N, K / group], minima [N, K / group]); pure."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15).to(torch.int32)
+    return codes.view(n, k), scales, low
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP):
+        super().__init__()
+        codes, scales, low = int4_codes(linear.weight, group)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        zeros = low + 8 * scales  # the kernel dequantizes (q - 8) * scale + zero
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+                             .contiguous().to(dtype))  # [K / group, N, 2]
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+        self.group, self.in_features, self.out_features = group, linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).contiguous(), self.packed,
+                                                       self.group, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def quantizable(linear: nn.Linear, mode: str) -> bool:
+    """int4 packs whole groups of input features and output rows in eights."""
+    if mode == "int4":
+        return linear.in_features % INT4_GROUP == 0 and linear.out_features % 8 == 0
+    return True
+
+
+def quantize_linears(model: nn.Module, mode: str, dtype: torch.dtype, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace the model's nn.Linear layers (except those named in `skip`) in place; -> how many were replaced.
+    Weights are read in fp32 (load the model in fp32 first, then cast the rest to `dtype`)."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {mode!r} is not one of {', '.join(QUANTIZATIONS)}")
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and name not in skip and quantizable(child, mode):
+                q = Int8Linear(child, dtype) if mode == "int8" else Int4Linear(child, dtype)
+                setattr(parent, name, q.to(child.weight.device))
+                replaced += 1
+    return replaced
