@@ -203,11 +203,18 @@ class EngineCore:
             t_forward = time.perf_counter()
             stats.draft_seconds = t_forward - t_propose
             logits, hidden, hidden_rows = self._target_forward(seqs, proposals, layout)
-            self._advance_computed(seqs, stats, t_forward)
+            self._advance_computed(seqs, stats)
             paths = self._verify_and_update(seqs, proposals, layout, logits, stats)
             self.router.after_step(seqs, proposals, layout, paths, hidden, hidden_rows)
             self._publish_and_free(seqs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # what the step launched is part of its cost
             stats.verify_seconds = time.perf_counter() - t_forward
+            # the adaptive planner's step cost: the forward and everything its width drives (verification, the
+            # tree rule's K/V moves, hidden states handed to proposers), against its token and padded-slot counts
+            short = [s.num_new_tokens for s in seqs if s.num_new_tokens <= SHORT_QUERY]  # padded together
+            self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), len(short) * max(short, default=0),
+                                            stats.verify_seconds)
         return self._step_outputs(seqs, stats, t0)
 
     def _apply_preemptions_and_cache_hits(self, sched) -> None:
@@ -264,14 +271,8 @@ class EngineCore:
         logits, hidden = self.target.run(input_ids, chunks, logits_rows, hidden_rows, capture=True)
         return logits, hidden, hidden_rows
 
-    def _advance_computed(self, seqs: list[ScheduledSeq], stats: StepStats, t_forward: float) -> None:
-        """The forward's K/V are in the cache: computed lengths advance (verification rolls rejects back), and the
-        forward's cost is observed for the adaptive planner."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the verify reads the logits right after anyway
-        short = [s.num_new_tokens for s in seqs if s.num_new_tokens <= SHORT_QUERY]  # padded together
-        self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), len(short) * max(short, default=0),
-                                        time.perf_counter() - t_forward)
+    def _advance_computed(self, seqs: list[ScheduledSeq], stats: StepStats) -> None:
+        """The forward's K/V are in the cache: computed lengths advance (verification rolls rejects back)."""
         for s in seqs:
             s.request.num_computed_tokens += s.num_new_tokens
             stats.num_prompt_tokens += s.num_new_tokens if s.is_prefill else 0

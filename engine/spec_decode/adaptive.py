@@ -40,17 +40,20 @@ class Batch:
         self.emitted = base.emitted + sum(sum(r.survival[:k]) for r, k in zip(rows, ks))
         self.tokens = base.tokens + sum(ks)
 
-    def _lengths(self, ks: list[int]) -> dict[str, int]:
-        longest: dict[str, int] = {}
+    def _drafts(self, ks: list[int]) -> dict[str, tuple[int, int]]:
+        """method -> (positions its proposer runs: the longest row, or 1 for per-step methods; rows drafting)."""
+        out: dict[str, tuple[int, int]] = {}
         for r, k in zip(self.rows, ks):
-            longest[r.method] = max(longest.get(r.method, 0), k)
-        return {m: min(n, 1) if m in self.per_step else n for m, n in longest.items()}
+            if k:
+                n, rows = out.get(r.method, (0, 0))
+                out[r.method] = (max(n, k), rows + 1)
+        return {m: (min(n, 1) if m in self.per_step else n, rows) for m, (n, rows) in out.items()}
 
     def seconds(self, ks: list[int] | None = None, tokens: int | None = None) -> float:
         ks = self.ks if ks is None else ks
         width = max([self.base.width, *[1 + k for k in ks]])
         return self.costs.step(self.tokens if tokens is None else tokens, self.base.decode_rows * width,
-                               self._lengths(ks))
+                               self._drafts(ks))
 
     def goodput(self) -> float:
         return self.emitted / max(self.seconds(), 1e-9)

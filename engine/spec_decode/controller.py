@@ -20,12 +20,12 @@ from specserve.engine.spec_decode.costs import StepCosts
 
 class CostSource(Protocol):
     def forward(self, num_tokens: int, padded: int, measured: float) -> float:
-        """Seconds to attribute to a target forward over `num_tokens` tokens, whose short rows were padded to
-        `padded` query slots, that took `measured` seconds."""
+        """Seconds to attribute to a target forward and its verification over `num_tokens` tokens, whose short rows
+        were padded to `padded` query slots, that took `measured` seconds."""
 
-    def propose(self, method: str, num_positions: int, measured: float) -> float:
-        """Seconds to attribute to a `method` proposal reaching `num_positions` positions (1 for the methods whose
-        cost is per step) that took `measured` seconds."""
+    def propose(self, method: str, num_positions: int, num_rows: int, measured: float) -> float:
+        """Seconds to attribute to a `method` proposal for `num_rows` rows reaching `num_positions` positions (1 for
+        the methods whose cost is per step) that took `measured` seconds."""
 
 
 class MeasuredCosts:
@@ -34,7 +34,7 @@ class MeasuredCosts:
     def forward(self, num_tokens: int, padded: int, measured: float) -> float:
         return measured
 
-    def propose(self, method: str, num_positions: int, measured: float) -> float:
+    def propose(self, method: str, num_positions: int, num_rows: int, measured: float) -> float:
         return measured
 
 
@@ -71,8 +71,9 @@ class AdaptiveController:
     def observe_forward(self, num_tokens: int, padded: int, measured: float) -> None:
         self.costs.observe_forward(num_tokens, padded, self.source.forward(num_tokens, padded, measured))
 
-    def observe_proposal(self, method: str, num_positions: int, measured: float) -> None:
-        self.costs.observe_proposal(method, num_positions, self.source.propose(method, num_positions, measured))
+    def observe_proposal(self, method: str, num_positions: int, num_rows: int, measured: float) -> None:
+        self.costs.observe_proposal(method, num_positions, num_rows,
+                                    self.source.propose(method, num_positions, num_rows, measured))
 
     def observe_verified(self, request_id: str, method: str, k: int, m: int, path: list[int] | None) -> None:
         """Request `request_id` proposed k nodes with `method`, m were accepted (`path`: a tree's accepted nodes)."""
@@ -85,6 +86,6 @@ class AdaptiveController:
         """The fitted costs and how well they predicted the steps (for benches and debugging)."""
         f = self.costs.forward.coefficients()
         return {"forward_seconds": {"intercept": f[0], "per_token": f[1], "per_padded_slot": f[2]},
-                "proposer_seconds": {m: dict(zip(("intercept", "per_position"), c.coefficients()))
+                "proposer_seconds": {m: dict(zip(("intercept", "per_position", "per_row_position"), c.coefficients()))
                                      for m, c in self.costs.proposers.items()},
                 "step_prediction": self.costs.log.summary()}

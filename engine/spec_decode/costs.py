@@ -1,8 +1,9 @@
 """What a step costs, as adaptive k plans it: the target forward against its token count and its padded query slots
 (a verify batch pads every short row to the widest one: one row at k = 4 among 16 at k = 0 measured ~+40% on the
 demo target, while the same 4 tokens spread over rows cost ~+4%), and each proposer against the positions it drafts
-(an intercept for its per-step work, such as a draft model catching up on the tokens it skipped, and a slope per
-drafted position). Fitted online by exponentially weighted least squares; every step's one-step-ahead prediction is
+(an intercept for its per-step work, such as a draft model catching up on the tokens it skipped, a slope per
+drafted position and one per drafted position and row: a draft model's forward over 32 rows costs more than over 4).
+The forward's cost is measured through verification and bookkeeping, whose work grows with the step's width too. Fitted online by exponentially weighted least squares; every step's one-step-ahead prediction is
 kept beside what was measured (`PredictionLog`), so that a bench can print how well the model matches the step.
 
 Pure arithmetic on host floats.
@@ -108,10 +109,12 @@ def forward_prior(x: tuple, seconds: float) -> list[tuple[tuple, float, float]]:
 
 
 def proposer_prior(x: tuple, seconds: float) -> list[tuple[tuple, float, float]]:
-    """A proposer before it was measured twice: all its cost per drafted position (a line through the origin and the
-    first call), weight 2."""
-    per = seconds / max(x[0], 1)
-    return [((1,), per, 1.0), ((2,), 2 * per, 1.0)]  # close together: little leverage over real lengths
+    """A proposer before it was measured twice: all its cost per drafted position, whatever the rows (a plane through
+    the origin and the first call), three pseudo-points of total weight 2, close together so that they have little
+    leverage over real lengths. Features: (positions, rows x positions)."""
+    positions, rows = max(x[0], 1), max(x[1] / max(x[0], 1), 1)
+    per = seconds / positions
+    return [((p, p * r), p * per, 2 / 3) for p, r in ((1, rows), (2, rows), (1, 2 * rows))]
 
 
 class PredictionLog:
@@ -136,7 +139,7 @@ class PredictionLog:
 
 
 class StepCosts:
-    """The fitted cost of a step: `forward(tokens, padded)` + each method's `propose(method, positions)`."""
+    """The fitted cost of a step: `forward(tokens, padded)` + each method's `propose(method, positions, rows)`."""
 
     def __init__(self):
         self.forward = OnlineLinear(2, forward_prior)
@@ -148,21 +151,22 @@ class StepCosts:
     def known(self) -> bool:
         return self.forward.known
 
-    def propose(self, method: str, positions: int) -> float:
-        """Seconds of one `method` call drafting `positions` positions (0: not called)."""
+    def propose(self, method: str, positions: int, rows: int) -> float:
+        """Seconds of one `method` call drafting `positions` positions for `rows` rows (0 positions: not called)."""
         model = self.proposers.get(method)
-        return model(positions) if positions and model is not None else 0.0
+        return model(positions, positions * rows) if positions and model is not None else 0.0
 
-    def step(self, tokens: int, padded: int, lengths: dict[str, int]) -> float:
-        """A step over `tokens` tokens with `padded` short query slots, where each method drafts lengths[method]."""
-        return self.forward(tokens, padded) + sum(self.propose(m, n) for m, n in lengths.items())
+    def step(self, tokens: int, padded: int, drafts: dict[str, tuple[int, int]]) -> float:
+        """A step over `tokens` tokens with `padded` short query slots, where each method drafts
+        drafts[method] = (positions, rows)."""
+        return self.forward(tokens, padded) + sum(self.propose(m, n, r) for m, (n, r) in drafts.items())
 
-    def observe_proposal(self, method: str, positions: int, seconds: float) -> None:
-        model = self.proposers.setdefault(method, OnlineLinear(1, proposer_prior))
+    def observe_proposal(self, method: str, positions: int, rows: int, seconds: float) -> None:
+        model = self.proposers.setdefault(method, OnlineLinear(2, proposer_prior))
         if model.known:
-            self._pending[0] += model(positions)
+            self._pending[0] += model(positions, positions * rows)
         self._pending[1] += seconds
-        model.observe((positions,), seconds)
+        model.observe((positions, positions * rows), seconds)
 
     def observe_forward(self, tokens: int, padded: int, seconds: float) -> None:
         """The step's forward; it closes the step: its prediction (forward + the proposals heard since the last

@@ -42,7 +42,8 @@ class ProposalRouter:
     step (hidden states, then what was accepted), and the lifecycle hooks (preempt, free, prefix-cache hits)."""
 
     def __init__(self, proposers: dict, prediction, tree_attention: bool, on_cost=None):
-        """`on_cost(method, positions, seconds)` hears what each proposer call took (the adaptive controller)."""
+        """`on_cost(method, positions, rows, seconds)` hears what each proposer call took (the adaptive
+        controller)."""
         self.proposers = proposers  # name -> loaded method, the default first
         self.prediction = prediction  # the engine-owned Predicted Outputs proposer
         self.tree_attention = tree_attention
@@ -69,7 +70,7 @@ class ProposalRouter:
             rows_ids = prop.token_ids.tolist()  # (the host read ends the timing: the proposer's work is done)
             if self.on_cost is not None:
                 positions = 1 if proposer.needs.cost_per_step else max(caps)
-                self.on_cost(proposer.name, positions, time.perf_counter() - t0)
+                self.on_cost(proposer.name, positions, len(idx), time.perf_counter() - t0)
             for j, i in enumerate(idx):
                 n = prop.num_tokens[j]
                 if n:

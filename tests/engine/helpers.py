@@ -30,7 +30,7 @@ class ModelCosts:
     def forward(self, num_tokens: int, padded: int, measured: float) -> float:
         return self.base + self.per_token * num_tokens + self.per_padded * padded
 
-    def propose(self, method: str, num_positions: int, measured: float) -> float:
+    def propose(self, method: str, num_positions: int, num_rows: int, measured: float) -> float:
         return self.draft.get(method, 0.0) * num_positions
 
 

@@ -17,7 +17,8 @@ def _costs(a=0.030, b=0.0006, pad=0.0, draft: dict | None = None, xs=(1, 5, 9, 1
                 c.observe_forward(x, padded, a + b * x + pad * padded)
         for m, per in (draft or {}).items():
             for n in (1, 2, 4):
-                c.observe_proposal(m, n, per * n)
+                for rows in (1, 2):
+                    c.observe_proposal(m, n, rows, per * n)
     return c
 
 
@@ -42,32 +43,35 @@ def test_forward_fit_separates_tokens_from_padding_and_keeps_a_prior_slope_when_
 
 def test_costs_never_fall_with_work():
     """Noise that would fit a negative slope is refit with that slope held at 0."""
-    m = OnlineLinear(1, proposer_prior)
+    m = OnlineLinear(2, proposer_prior)
     for x, y in [(1, 0.010), (4, 0.006)] * 20:
-        m.observe((x,), y)
-    intercept, slope = m.coefficients()
-    assert slope == 0.0 and 0.006 < intercept < 0.010
+        m.observe((x, x), y)
+    intercept, slope, per_row = m.coefficients()
+    assert slope == 0.0 and per_row == 0.0 and 0.006 < intercept < 0.010
     two = OnlineLinear(2, forward_prior)  # one slope negative, then the other once the first is held at 0
     for t, p, y in [(1, 1, 0.060), (5, 5, 0.058), (4, 16, 0.059), (8, 32, 0.057)] * 20:
         two.observe((t, p), y)
     assert min(two.coefficients()) >= 0.0 and two(1, 1) == pytest.approx(0.0585, rel=0.05)
 
 
-def test_a_proposer_intercept_is_learned_from_varied_lengths():
-    """A draft that first catches up (8 ms) and then drafts 2 ms per position: the fit finds both, so a longer
-    proposal is not priced as if each position carried the catch-up."""
-    m = OnlineLinear(1, proposer_prior)
+def test_a_proposer_intercept_and_row_cost_are_learned_from_varied_calls():
+    """A draft that first catches up (8 ms) and then drafts 2 ms per position plus 0.5 ms per position and row: the
+    fit finds all three, so a longer proposal is not priced as if each position carried the catch-up, and a call for
+    4 rows is not priced like one for 32."""
+    m = OnlineLinear(2, proposer_prior)
     for _ in range(20):
         for n in (1, 2, 4):
-            m.observe((n,), 0.008 + 0.002 * n)
-    intercept, slope = m.coefficients()
-    assert intercept == pytest.approx(0.008, rel=0.1) and slope == pytest.approx(0.002, rel=0.1)
+            for rows in (1, 4, 16):
+                m.observe((n, n * rows), 0.008 + 0.002 * n + 0.0005 * n * rows)
+    intercept, per_position, per_row = m.coefficients()
+    assert intercept == pytest.approx(0.008, rel=0.1) and per_position == pytest.approx(0.002, rel=0.1)
+    assert per_row == pytest.approx(0.0005, rel=0.1)
 
 
 def test_the_step_prediction_is_logged_against_the_measurement():
     c = StepCosts()
     for i in range(40):
-        c.observe_proposal("draft", 2, 0.004)
+        c.observe_proposal("draft", 2, 1, 0.004)
         c.observe_forward(4, 4, 0.030 * (1.2 if i % 2 else 1.0))
     s = c.log.summary()
     assert s["steps"] == 39 and 0.05 < s["median_abs_error"] < 0.15
@@ -137,7 +141,7 @@ def test_a_per_step_proposer_intercept_is_charged_once():
     costs = _costs(a=0.030, b=0.0006)
     for _ in range(30):
         for n in (1, 2, 4):
-            costs.observe_proposal("draft", n, 0.010 + 0.001 * n)
+            costs.observe_proposal("draft", n, 1, 0.010 + 0.001 * n)
     rows = [Row([0.7, 0.49, 0.34, 0.24], 4, "draft")]
     assert plan(rows, StepBase(1, 1, 1), costs) == [4]
 
@@ -173,7 +177,7 @@ def test_a_per_step_cost_is_paid_once_whatever_the_tree_size():
     and the plan stays small; charged once, the plan takes the nodes whose survival pays for their verify rows."""
     costs = _costs(a=0.040, b=0.001)
     for _ in range(30):
-        costs.observe_proposal("medusa", 1, 0.004)
+        costs.observe_proposal("medusa", 1, 1, 0.004)
     survival = [0.3, 0.15, 0.1, 0.08, 0.06, 0.05, 0.04, 0.03] + [0.02] * 8
     rows = [Row(survival, 16, "medusa")]
     base = StepBase(1, 1, 1)
