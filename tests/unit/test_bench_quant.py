@@ -25,3 +25,16 @@ def test_quantized_peers_serve_the_demo_target():
     assert "--model" in cmds["specserve-plain"]
     from specserve.config.loader import HELP
     assert "quantization" in HELP
+
+
+def test_weight_bytes_count_packed_buffers():
+    import torch
+    from torch import nn
+
+    from bench.quantized import weight_bytes
+    from specserve.engine.model.quantize import quantize_linears
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    dense = weight_bytes(model)
+    quantize_linears(model, "int4", torch.float32)
+    assert 0 < weight_bytes(model) < dense
