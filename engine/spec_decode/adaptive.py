@@ -33,39 +33,42 @@ class StepBase:
 
 
 class Batch:
-    """A plan under evaluation: per-row k, with the sums goodput needs kept incrementally."""
+    """A plan under evaluation: per-row k, with what goodput needs (emitted, tokens, each method's longest row and
+    drafting rows, the widest row) kept incrementally, so that pricing one more slot is O(methods)."""
 
     def __init__(self, rows: list[Row], ks: list[int], base: StepBase, costs: StepCosts, per_step: frozenset):
         self.rows, self.ks, self.base, self.costs, self.per_step = rows, list(ks), base, costs, per_step
         self.emitted = base.emitted + sum(sum(r.survival[:k]) for r, k in zip(rows, ks))
         self.tokens = base.tokens + sum(ks)
-
-    def _drafts(self, ks: list[int]) -> dict[str, tuple[int, int]]:
-        """method -> (positions its proposer runs: the longest row, or 1 for per-step methods; rows drafting)."""
-        out: dict[str, tuple[int, int]] = {}
-        for r, k in zip(self.rows, ks):
+        self.width = max([base.width, *[1 + k for k in ks]])
+        self.drafts: dict[str, tuple[int, int]] = {}  # method -> (longest row, rows drafting)
+        for r, k in zip(rows, ks):
             if k:
-                n, rows = out.get(r.method, (0, 0))
-                out[r.method] = (max(n, k), rows + 1)
-        return {m: (min(n, 1) if m in self.per_step else n, rows) for m, (n, rows) in out.items()}
+                n, count = self.drafts.get(r.method, (0, 0))
+                self.drafts[r.method] = (max(n, k), count + 1)
 
-    def seconds(self, ks: list[int] | None = None, tokens: int | None = None) -> float:
-        ks = self.ks if ks is None else ks
-        width = max([self.base.width, *[1 + k for k in ks]])
-        return self.costs.step(self.tokens if tokens is None else tokens, self.base.decode_rows * width,
-                               self._drafts(ks))
+    def _seconds(self, tokens: int, width: int, drafts: dict[str, tuple[int, int]]) -> float:
+        """Per-step methods run one position whatever their longest row."""
+        runs = {m: (min(n, 1) if m in self.per_step else n, count) for m, (n, count) in drafts.items()}
+        return self.costs.step(tokens, self.base.decode_rows * width, runs)
 
     def goodput(self) -> float:
-        return self.emitted / max(self.seconds(), 1e-9)
+        return self.emitted / max(self._seconds(self.tokens, self.width, self.drafts), 1e-9)
+
+    def _grown(self, i: int) -> tuple[int, dict[str, tuple[int, int]]]:
+        """(width, drafts) if row i proposed one more slot."""
+        k, method = self.ks[i] + 1, self.rows[i].method
+        n, count = self.drafts.get(method, (0, 0))
+        return max(self.width, 1 + k), {**self.drafts, method: (max(n, k), count + (k == 1))}
 
     def with_slot(self, i: int) -> tuple[float, float]:
         """(emitted, goodput) if row i proposed one more slot."""
-        ks = list(self.ks)
-        ks[i] += 1
         emitted = self.emitted + self.rows[i].survival[self.ks[i]]
-        return emitted, emitted / max(self.seconds(ks, self.tokens + 1), 1e-9)
+        width, drafts = self._grown(i)
+        return emitted, emitted / max(self._seconds(self.tokens + 1, width, drafts), 1e-9)
 
     def add_slot(self, i: int, emitted: float) -> None:
+        self.width, self.drafts = self._grown(i)
         self.emitted, self.tokens = emitted, self.tokens + 1
         self.ks[i] += 1
 
