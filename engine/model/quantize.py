@@ -26,7 +26,19 @@ from specserve.config.schema import QUANTIZATIONS
 INT4_GROUP = 32
 
 
-class Int8Linear(nn.Module):
+class PackedLinear(nn.Module):
+    """A linear layer whose weight lives in a packed kernel's format: each subclass sets `out_features` and `bias`
+    and defines `_mm(x)`, its kernel on a 2-D activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self._mm(x.reshape(-1, shape[-1]).contiguous())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+class Int8Linear(PackedLinear):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype):
         super().__init__()
         w = linear.weight.detach().float()
@@ -36,12 +48,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).contiguous(), self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
 def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +62,7 @@ def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Ten
     return codes.view(n, k), scales, low
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP):
         super().__init__()
         codes, scales, low = int4_codes(linear.weight, group)
@@ -65,13 +73,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
         self.group, self.in_features, self.out_features = group, linear.in_features, linear.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).contiguous(), self.packed,
-                                                       self.group, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
 
 
 def quantizable(linear: nn.Linear, mode: str) -> bool:
