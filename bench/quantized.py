@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from bench.adaptive import batches
+from bench.adaptive import batches, decode
 from bench.output import emit
 from bench.prompts import heldout_prompts
 from bench.spec_decode import machine_info
@@ -29,20 +29,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def decode(llm: LLM, calls: list[list[str]], method: str, max_tokens: int) -> tuple[int, float]:
-    import time
-
-    tokens, seconds = 0, 0.0
-    for prompts in calls:
-        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, speculative_method=method)
-                  for _ in prompts]
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        seconds += time.perf_counter() - t0
-        tokens += sum(len(o.output_token_ids) for o in outs)
-    return tokens, seconds
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.quantized", description=__doc__.splitlines()[0])
     ap.add_argument("--quantizations", default="none,int8,int4")
@@ -51,6 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     quants = [q.strip() for q in args.quantizations.split(",") if q.strip()]
@@ -75,7 +62,9 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.rounds):
             order = list(settings)
             rng.shuffle(order)
-            runs.append({s: decode(engines[s[0]], calls, s[1], args.max_tokens) for s in order})
+            # plain = the default method at k = 0 (no proposal: decoding as with method "none"); else its auto k
+            runs.append({s: decode(engines[s[0]], calls, method, "plain" if s[1] == "none" else "auto", args)[:2]
+                         for s in order})
         base = [r[quants[0], "none"] for r in runs]
         for q, m in settings:
             rates = [t / s for t, s in (r[q, m] for r in runs)]
