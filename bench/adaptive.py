@@ -2,8 +2,9 @@
 plain decoding, each fixed k (chains: 1..4; tree methods: node budgets) and `auto` each decode the same prompts (c
 per generate() call, at least --prompts of them), in a seeded shuffled order per round so that no setting always
 runs first or last. Reports per row the median tokens/s of each setting, auto / best fixed and auto / plain (medians
-of the per-round ratios), the histogram of the k auto chose, and how well the adaptive controller's step cost model
-predicted the steps it saw (measured / predicted seconds, one step ahead).
+of the per-round ratios), the histogram of the k auto chose, how well the adaptive controller's step cost model
+predicted the steps it saw (measured / predicted seconds, one step ahead; per kind of step: plain, chain, tree), and
+how many of auto's drafts were accepted against how many its acceptance estimates expected.
 
 `python -m bench.adaptive --eagle3 --medusa --dflash --concurrency 1,4,16,32 --rounds 2 --out docs/adaptive.json`
 
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                 settings = settings_for(p.num_speculative_tokens, p.needs.tree, chain_ks, tree_ks)
                 runs = []
                 controller.costs.log = PredictionLog()  # this row's steps only
+                controller.accepted_log = {}
                 for _ in range(args.rounds):
                     order = list(settings)
                     rng.shuffle(order)
@@ -160,8 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
                 results.append({"workload": workload, "method": method, "concurrency": c, "settings": settings,
                                 "summary": summarise(runs, settings),
                                 "step_prediction": controller.costs.log.summary(),
+                                "accepted_prediction": controller.report()["accepted_prediction"].get(method),
                                 "fitted_costs": {k: v for k, v in controller.report().items()
-                                                 if k != "step_prediction"},
+                                                 if k not in ("step_prediction", "accepted_prediction")},
                                 "rounds": [{s: [t, round(sec, 4)] for s, (t, sec, _) in r.items()} for r in runs]})
                 print(f"[bench] {workload} {method} at {c} streams done", file=sys.stderr)
     report = {"benchmark": "adaptive", "machine": machine_info(llm.engine.device), "args": vars(args),

@@ -213,8 +213,10 @@ class EngineCore:
             # the adaptive planner's step cost: the forward and everything its width drives (verification, the
             # tree rule's K/V moves, hidden states handed to proposers), against its token and padded-slot counts
             short = [s.num_new_tokens for s in seqs if s.num_new_tokens <= SHORT_QUERY]  # padded together
+            kind = ("tree" if any(p is not None and p.is_tree for p in proposals)
+                    else "chain" if any(p is not None for p in proposals) else "plain")
             self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), len(short) * max(short, default=0),
-                                            stats.verify_seconds)
+                                            stats.verify_seconds, kind)
         return self._step_outputs(seqs, stats, t0)
 
     def _apply_preemptions_and_cache_hits(self, sched) -> None:

@@ -46,6 +46,8 @@ class AdaptiveController:
         self.per_step_methods = per_step_methods  # proposers whose cost hardly grows with k
         self.costs = StepCosts()
         self.tracker = AcceptanceTracker(k_max, tree_methods)
+        self._expected: dict[str, float] = {}  # request -> accepted drafts its planned k was expected to yield
+        self.accepted_log: dict[str, list[float]] = {}  # method -> [expected, accepted, steps] of planned drafts
 
     def plan(self, running: list[Request]) -> None:
         """This step's k (`planned_k`) of every decoding adaptive request; others keep their fixed k."""
@@ -63,13 +65,16 @@ class AdaptiveController:
             idle = self.tracker.idle.get(r.request_id, 0)
             rows.append(Row(s, r.num_speculative_tokens, r.method, idle >= PROBE_EVERY))
         ks = plan(rows, base, self.costs, self.per_step_methods)
-        for r, k in zip(auto, ks):
+        for r, row, k in zip(auto, rows, ks):
             r.planned_k = k
             if k == 0:
                 self.tracker.idle_step(r.request_id)
+            else:
+                self._expected[r.request_id] = sum(row.survival[:k])
 
-    def observe_forward(self, num_tokens: int, padded: int, measured: float) -> None:
-        self.costs.observe_forward(num_tokens, padded, self.source.forward(num_tokens, padded, measured))
+    def observe_forward(self, num_tokens: int, padded: int, measured: float, kind: str = "step") -> None:
+        """`kind` (plain, chain, tree) only labels the step in the prediction log."""
+        self.costs.observe_forward(num_tokens, padded, self.source.forward(num_tokens, padded, measured), kind)
 
     def observe_proposal(self, method: str, num_positions: int, num_rows: int, measured: float) -> None:
         self.costs.observe_proposal(method, num_positions, num_rows,
@@ -78,9 +83,14 @@ class AdaptiveController:
     def observe_verified(self, request_id: str, method: str, k: int, m: int, path: list[int] | None) -> None:
         """Request `request_id` proposed k nodes with `method`, m were accepted (`path`: a tree's accepted nodes)."""
         self.tracker.observe(request_id, method, k, m, path)
+        expected = self._expected.pop(request_id, None)
+        if expected is not None:  # planned this step (a proposer may have returned fewer than planned)
+            log = self.accepted_log.setdefault(method, [0.0, 0.0, 0])
+            log[0], log[1], log[2] = log[0] + expected, log[1] + m, log[2] + 1
 
     def forget(self, request_id: str) -> None:
         self.tracker.forget(request_id)
+        self._expected.pop(request_id, None)
 
     def report(self) -> dict:
         """The fitted costs and how well they predicted the steps (for benches and debugging)."""
@@ -88,4 +98,7 @@ class AdaptiveController:
         return {"forward_seconds": {"intercept": f[0], "per_token": f[1], "per_padded_slot": f[2]},
                 "proposer_seconds": {m: dict(zip(("intercept", "per_position", "per_row_position"), c.coefficients()))
                                      for m, c in self.costs.proposers.items()},
-                "step_prediction": self.costs.log.summary()}
+                "step_prediction": self.costs.log.summary(),
+                "accepted_prediction": {m: {"steps": n, "expected": round(e, 1), "accepted": a,
+                                            "accepted_over_expected": round(a / e, 3) if e else None}
+                                        for m, (e, a, n) in self.accepted_log.items()}}

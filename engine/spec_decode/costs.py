@@ -119,24 +119,34 @@ def proposer_prior(x: tuple, seconds: float) -> list[tuple[tuple, float, float]]
 
 
 class PredictionLog:
-    """Recent steps' predicted and measured seconds (the prediction made before the step was observed)."""
+    """Recent steps' predicted and measured seconds (the prediction made before the step was observed), overall and
+    per kind of step (plain, chain, tree: a cost the model lacks a feature for shows as one kind's bias)."""
 
     def __init__(self, size: int = 2000):
-        self.ratios: deque[float] = deque(maxlen=size)  # measured / predicted
+        self.ratios: deque[tuple[str, float]] = deque(maxlen=size)  # (kind, measured / predicted)
 
-    def add(self, predicted: float, measured: float) -> None:
+    def add(self, predicted: float, measured: float, kind: str = "step") -> None:
         if predicted > 0 and measured > 0:
-            self.ratios.append(measured / predicted)
+            self.ratios.append((kind, measured / predicted))
 
-    def summary(self) -> dict:
-        """steps, the median of measured / predicted (the bias) and the median |log| error as a ratio."""
-        if not self.ratios:
-            return {"steps": 0}
-        r = sorted(self.ratios)
+    @staticmethod
+    def _stats(ratios: list[float]) -> dict:
+        r = sorted(ratios)
         errs = sorted(abs(math.log(x)) for x in r)
         return {"steps": len(r), "median_measured_over_predicted": round(r[len(r) // 2], 3),
                 "median_abs_error": round(math.exp(errs[len(errs) // 2]) - 1, 3),
                 "p90_abs_error": round(math.exp(errs[int(len(errs) * 0.9)]) - 1, 3)}
+
+    def summary(self) -> dict:
+        """steps, the median of measured / predicted (the bias) and the median |log| error as a ratio; the same per
+        kind under "by_kind"."""
+        if not self.ratios:
+            return {"steps": 0}
+        kinds: dict[str, list[float]] = {}
+        for kind, r in self.ratios:
+            kinds.setdefault(kind, []).append(r)
+        return {**self._stats([r for _, r in self.ratios]),
+                "by_kind": {k: self._stats(v) for k, v in sorted(kinds.items())}}
 
 
 class StepCosts:
@@ -169,10 +179,10 @@ class StepCosts:
         self._pending[1] += seconds
         model.observe((positions, positions * rows), seconds)
 
-    def observe_forward(self, tokens: int, padded: int, seconds: float) -> None:
+    def observe_forward(self, tokens: int, padded: int, seconds: float, kind: str = "step") -> None:
         """The step's forward; it closes the step: its prediction (forward + the proposals heard since the last
-        forward) is logged against the measurement."""
+        forward) is logged against the measurement, under `kind`."""
         if self.forward.known:
-            self.log.add(self.forward(tokens, padded) + self._pending[0], seconds + self._pending[1])
+            self.log.add(self.forward(tokens, padded) + self._pending[0], seconds + self._pending[1], kind)
         self.forward.observe((tokens, padded), seconds)
         self._pending = [0.0, 0.0]

@@ -68,6 +68,8 @@ def test_auto_keeps_speculating_where_it_pays(tiny, baseline):
         # a slot costs 2% of a step here, and lookups on looping output are mostly right: it proposes what the
         # lookups find (up to 4 tokens on these prompts, as a fixed k = 6 does) and keeps nearly all it accepts
         assert max(chosen) >= 4
+        planned = core.controller.report()["accepted_prediction"]["ngram"]  # what auto expected of its drafts
+        assert planned["steps"] > 0 and 0 < planned["accepted"] <= accepted and planned["expected"] > 0
     assert runs[0] == runs[1]  # on modelled costs the policy is deterministic
 
 

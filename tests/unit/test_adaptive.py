@@ -77,6 +77,19 @@ def test_the_step_prediction_is_logged_against_the_measurement():
     assert s["steps"] == 39 and 0.05 < s["median_abs_error"] < 0.15
 
 
+def test_a_cost_the_model_lacks_shows_as_one_kind_of_steps_bias():
+    """Tree steps dearer by a fixed 10 ms that no feature carries: the overall fit absorbs it, but per kind the
+    tree steps are underpredicted and the plain ones overpredicted."""
+    c = StepCosts()
+    for i in range(200):
+        tree = i % 2 == 1
+        tokens = 4 + 4 * (i // 2 % 4)  # both kinds over the same widths
+        c.observe_forward(tokens, tokens, 0.030 + 0.001 * tokens + (0.010 if tree else 0.0), "tree" if tree else "plain")
+    kinds = c.log.summary()["by_kind"]
+    assert kinds["tree"]["median_measured_over_predicted"] > 1.05
+    assert kinds["plain"]["median_measured_over_predicted"] < 0.95
+
+
 def test_tracker_estimates_per_position_and_starts_from_the_population():
     t = AcceptanceTracker(4)
     assert t.survival("a", "draft") == pytest.approx([0.5 ** j for j in range(1, 5)])  # a coin flip per position
