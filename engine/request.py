@@ -45,17 +45,19 @@ class TokenLogprob:
 
 @dataclass
 class RequestOutput:
+    """One step's report of a request: deltas since the previous report, and the cumulative output as views of the
+    request's own append-only lists (a report costs O(new tokens), not O(length): `output_token_ids` and `logprobs`
+    copy on access)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     speculation: SpeculationStats
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None  # cumulative; None unless requested
     delta_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
@@ -63,6 +65,20 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # left the waiting queue (queue time = this - arrival)
     first_token_time: float | None = None
     finished_time: float | None = None
+    # the request's prompt + output ids and its logprobs (shared, append-only) and their lengths at this report
+    all_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_token_ids: int = 0
+    all_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+    num_logprobs: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):self.num_token_ids]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Cumulative; None unless requested."""
+        return None if self.all_logprobs is None else self.all_logprobs[:self.num_logprobs]
 
 
 class Request:
@@ -140,21 +156,21 @@ class Request:
         self.finish("error")
 
     def make_output(self) -> RequestOutput:
-        """Snapshot with the deltas since the previous snapshot."""
-        out_ids = self.output_token_ids
-        delta_ids = out_ids[self._tokens_sent:]
-        self._tokens_sent = len(out_ids)
-        delta_lp = None
+        """Snapshot with the deltas since the previous snapshot; O(new tokens)."""
+        n = len(self.token_ids)
+        delta_ids = self.token_ids[max(self._tokens_sent, len(self.prompt_token_ids)):n]
+        self._tokens_sent = n
+        delta_lp, n_lp = None, 0
         if self.logprobs is not None:
-            delta_lp = self.logprobs[self._logprobs_sent:]
-            self._logprobs_sent = len(self.logprobs)
+            n_lp = len(self.logprobs)
+            delta_lp = self.logprobs[self._logprobs_sent:n_lp]
+            self._logprobs_sent = n_lp
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=out_ids, text=self.detokenizer.text, finished=self.finished,
-            finish_reason=self.finish_reason,
+            text=self.detokenizer.text, finished=self.finished, finish_reason=self.finish_reason,
             speculation=replace(self.speculation, steps_by_k=dict(self.speculation.steps_by_k)),  # a snapshot
             delta_text=self.detokenizer.take_delta(self.finished), delta_token_ids=delta_ids,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None, delta_logprobs=delta_lp,
-            error=self.error, num_cached_tokens=self.num_cached_tokens, arrival_time=self.arrival_time,
-            first_scheduled_time=self.first_scheduled_time,
-            first_token_time=self.first_token_time, finished_time=self.finished_time)
+            delta_logprobs=delta_lp, error=self.error, num_cached_tokens=self.num_cached_tokens,
+            arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time, finished_time=self.finished_time,
+            all_token_ids=self.token_ids, num_token_ids=n, all_logprobs=self.logprobs, num_logprobs=n_lp)

@@ -160,12 +160,13 @@ def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> 
     num_new = torch.tensor([c.num_new for c in chunks])
     starts = torch.tensor([c.start for c in chunks])
     nb = -(-int((starts + num_new).max()) // bs)
-    tables = torch.full((len(chunks), nb), kv.null_block, dtype=torch.long)
+    rows = []
     for b, c in enumerate(chunks):
         if len(c.block_table) * bs < c.start + c.num_new:
             raise RuntimeError(f"sequence {b}: {len(c.block_table)} blocks cannot hold {c.start + c.num_new} tokens")
-        blocks = c.block_table[:nb]
-        tables[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        blocks = list(c.block_table[:nb])
+        rows.append(blocks + [kv.null_block] * (nb - len(blocks)))
+    tables = torch.tensor(rows, dtype=torch.long)  # one host tensor for the batch, not one per row
     seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), num_new)  # [T]
     first_token = torch.cumsum(num_new, 0) - num_new  # [B]
     slot_pos = starts[seq_of_token] + torch.arange(int(num_new.sum())) - first_token[seq_of_token]  # [T]

@@ -73,7 +73,7 @@ def verified_rows(seqs, proposals, paths: dict[int, list[int]]) -> dict[str, tup
         if prop is None:
             continue
         m = len(paths[i]) - 1
-        emitted = s.request.output_token_ids[-(m + 1):] if not s.request.finished else []
+        emitted = s.request.token_ids[-(m + 1):] if not s.request.finished else []  # the m + 1 just appended
         reqs, rows = out.setdefault(prop.owner, ([], []))
         reqs.append(s.request)
         rows.append(VerifiedRow(len(prop.tokens), m, emitted))
