@@ -31,7 +31,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.quantized", description=__doc__.splitlines()[0])
-    ap.add_argument("--quantizations", default="none,int8,int4")
+    ap.add_argument("--quantizations", default="none,int8,int4",
+                    help="none | int8 | int4, each optionally :N for --quantization-dense-rows N (e.g. int4:16)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per setting at least (c per generate() call)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -42,8 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     quants = [q.strip() for q in args.quantizations.split(",") if q.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    engines = {q: LLM(quantization=None if q == "none" else q, max_num_seqs=max(levels), seed=args.seed,
-                      kv_cache_memory=512 << 20) for q in quants}
+    engines = {q: LLM(quantization=None if q.startswith("none") else q.partition(":")[0],
+                      quantization_dense_rows=int(q.partition(":")[2] or 0), max_num_seqs=max(levels),
+                      seed=args.seed, kv_cache_memory=512 << 20) for q in quants}
     first = engines[quants[0]]
     method = first.engine.default_method
 

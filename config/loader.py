@@ -64,6 +64,10 @@ HELP: dict[str, tuple[str, str | None]] = {
     "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
     "quantization": ("weight-only quantized linear layers on CPU: int8 (per-channel) | int4 (groups of 32; a Q4_1 "
                      "GGUF keeps its own 4-bit weights) | none", "none: the dtype's weights"),
+    "quantization_dense_rows": ("with --quantization: forwards of at least this many token rows (wide verify or "
+                                "batched steps, where the packed kernels are slower than a dense matmul) run a "
+                                "dense copy of each quantized layer, kept beside the packed one (more memory)",
+                                "0: packed kernels at every width"),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
                         "min(4 GiB, RAM/4) on CPU"),
     "max_num_seqs": ("most sequences running in one step", None),

@@ -131,6 +131,7 @@ class EngineConfig:
     speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
     dtype: str = "auto"  # auto = bf16 where the device computes it natively, else fp16 (CUDA) or fp32 (CPU)
     quantization: str | None = None  # weight-only int8 / int4 linear layers (CPU kernels); None: the dtype's weights
+    quantization_dense_rows: int = 0  # > 0: forwards of at least this many rows run a dense copy of quantized layers
     device: str = "auto"  # auto = cuda when present
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
     max_num_seqs: int = 64
@@ -156,6 +157,7 @@ class EngineConfig:
              "need 1 <= prompt_lookup_min <= prompt_lookup_max"),
             (self.prompt_lookup_branches >= 1, "prompt_lookup_branches", "must be >= 1"),
             (self.speculative_eagle_topk >= 1, "speculative_eagle_topk", "must be >= 1"),
+            (self.quantization_dense_rows >= 0, "quantization_dense_rows", "must be >= 0 (0: packed kernels only)"),
         ]
         for ok, name, msg in checks:
             if not ok:

@@ -66,12 +66,13 @@ class EngineCore:
         self.tokenizer = load_tokenizer(target_path, remote)
         if config.chat_template:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
-        target = load_model(target_path, self.dtype, self.device, remote, quantization=config.quantization)
+        target = load_model(target_path, self.dtype, self.device, remote, quantization=config.quantization,
+                            dense_from_rows=config.quantization_dense_rows)
         self.vocab_size = target.config.vocab_size
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
                               self.dtype, remote, tree_attention, target.get_output_embeddings().weight,
-                              target.get_input_embeddings())
+                              target.get_input_embeddings(), config.quantization)
         proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
         self.default_method = next(iter(proposers), NONE)
         self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
@@ -109,6 +110,7 @@ class EngineCore:
                                       self.allocator.num_blocks, self.allocator.block_size,
                                       frozenset(self.eos_token_ids), self.device,
                                       f"{Path(self.model_path).resolve()}|{self.dtype}|{config.quantization}|"
+                                      f"{config.quantization_dense_rows}|"
                                       f"{config.trust_remote_code}",
                                       self.grammars)
         self.requests: dict[str, Request] = {}

@@ -74,9 +74,10 @@ def _gguf_error(path, field: str, exc: Exception) -> InvalidRequestError:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               field: str = "model", quantization: str | None = None):
+               field: str = "model", quantization: str | None = None, dense_from_rows: int = 0):
     """`quantization` (int8 | int4): the decoder's linear layers become weight-only quantized ones
-    (engine/model/quantize.py), quantized from fp32 weights; CPU only."""
+    (engine/model/quantize.py), quantized from fp32 weights; CPU only. `dense_from_rows` > 0: they also keep a
+    dense copy for forwards of at least that many rows."""
     register_attention()
     if quantization is not None and device.type != "cpu":
         raise InvalidRequestError(f"quantization: {quantization} uses torch's CPU kernels; on {device.type} load "
@@ -99,7 +100,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
             "AttentionInterface, which the engine's paged KV cache needs", field)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if quantization is not None:
-        quantize_linears(model, quantization, dtype)
+        quantize_linears(model, quantization, dtype, dense_from_rows=dense_from_rows)
         model = model.to(dtype)  # the rest (embeddings, norms, the head); int codes keep their dtype
     return model.to(device).eval()
 

@@ -27,12 +27,27 @@ INT4_GROUP = 32
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight lives in a packed kernel's format: each subclass sets `out_features` and `bias`
-    and defines `_mm(x)`, its kernel on a 2-D activation."""
+    """A linear layer whose weight lives in a packed kernel's format: each subclass sets `out_features` and `bias`,
+    defines `_mm(x)`, its kernel on a 2-D activation, and `dequantized()`, the weight its kernel applies.
+
+    The packed kernels are matrix-vector kernels whose time grows linearly with the rows (bench.quant_kernels: int4
+    0.53-0.66x a dense bf16 matmul up to 8 rows, even at 16, 1.3-2x slower from 32 rows), so a layer may also keep
+    its dequantized weight dense (`keep_dense(rows)`) and run it for a forward of at least `rows` rows: wide verify
+    and batched steps then cost what the dtype's model costs, at the memory of both copies."""
+
+    dense_from_rows: int | None = None
+
+    def keep_dense(self, rows: int, dtype: torch.dtype) -> None:
+        self.register_buffer("dense_weight", self.dequantized().to(dtype))
+        self.dense_from_rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self._mm(x.reshape(-1, shape[-1]).contiguous())
+        x = x.reshape(-1, shape[-1])
+        if self.dense_from_rows is not None and x.shape[0] >= self.dense_from_rows:
+            y = nn.functional.linear(x, self.dense_weight.to(x.dtype))
+        else:
+            y = self._mm(x.contiguous())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
@@ -50,6 +65,9 @@ class Int8Linear(PackedLinear):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
 
 
 def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,9 +90,17 @@ class Int4Linear(PackedLinear):
                              .contiguous().to(dtype))  # [K / group, N, 2]
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
         self.group, self.in_features, self.out_features = group, linear.in_features, linear.out_features
+        self._codes = codes  # kept until keep_dense() has run or been declined (quantize_linears drops it)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """(q - 8) * scale + zero with the stored (dtype-rounded) scales and zeros: what the kernel applies."""
+        scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K / group] each
+        n, k = self._codes.shape
+        q = self._codes.float().view(n, k // self.group, self.group)
+        return ((q - 8) * scales[..., None] + zeros[..., None]).view(n, k)
 
 
 def quantizable(linear: nn.Linear, mode: str) -> bool:
@@ -84,9 +110,11 @@ def quantizable(linear: nn.Linear, mode: str) -> bool:
     return True
 
 
-def quantize_linears(model: nn.Module, mode: str, dtype: torch.dtype, skip: tuple[str, ...] = ("lm_head",)) -> int:
+def quantize_linears(model: nn.Module, mode: str, dtype: torch.dtype, skip: tuple[str, ...] = ("lm_head",),
+                     dense_from_rows: int = 0) -> int:
     """Replace the model's nn.Linear layers (except those named in `skip`) in place; -> how many were replaced.
-    Weights are read in fp32 (load the model in fp32 first, then cast the rest to `dtype`)."""
+    Weights are read in fp32 (load the model in fp32 first, then cast the rest to `dtype`). `dense_from_rows` > 0:
+    each layer also keeps its dequantized weight in `dtype` for forwards of at least that many rows."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization: {mode!r} is not one of {', '.join(QUANTIZATIONS)}")
     replaced = 0
@@ -94,6 +122,9 @@ def quantize_linears(model: nn.Module, mode: str, dtype: torch.dtype, skip: tupl
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in skip and quantizable(child, mode):
                 q = Int8Linear(child, dtype) if mode == "int8" else Int4Linear(child, dtype)
+                if dense_from_rows > 0:
+                    q.keep_dense(dense_from_rows, dtype)
+                q.__dict__.pop("_codes", None)
                 setattr(parent, name, q.to(child.weight.device))
                 replaced += 1
     return replaced

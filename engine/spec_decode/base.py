@@ -78,6 +78,7 @@ class ProposerContext:
     tree_attention: bool = True  # the target can verify trees (no sliding-window or chunked layers)
     lm_head: torch.Tensor | None = None  # [V, H] the target's output embedding (methods that share it)
     input_embeddings: torch.nn.Module | None = None  # the target's token embedding (methods that share it)
+    quantization: str | None = None  # the target's weight-only quantization: drafters that follow it (EAGLE-3, draft)
 
 
 class ProposerBase(abc.ABC):

@@ -40,7 +40,8 @@ class DraftModelProposer(ProposerBase):
     @classmethod
     def load(cls, cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> "DraftModelProposer":
         check_model_path(cfg.model, "draft_model")
-        draft = load_model(cfg.model, ctx.dtype, ctx.device, ctx.trust_remote_code, field="draft_model")
+        draft = load_model(cfg.model, ctx.dtype, ctx.device, ctx.trust_remote_code, field="draft_model",
+                           quantization=ctx.quantization)
         draft_map = None if is_gguf(cfg.model) else load_vocab_map(cfg.model, ctx.vocab_size, ctx.device)
         check_draft_compatible(ctx.target_path, cfg.model, ctx.tokenizer, ctx.target_config, draft.config, draft_map)
         return cls(draft, ctx.vocab_size, ctx.device, ctx.dtype, cfg.k_max, draft_map)

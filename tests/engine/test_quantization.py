@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specserve.config.schema import EngineConfig
-from specserve.engine.model.quantize import Int4Linear, Int8Linear, int4_codes, quantize_linears
+from specserve.engine.model.quantize import Int4Linear, Int8Linear, PackedLinear, int4_codes, quantize_linears
 from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.engine.test_greedy_exactness import PROMPTS
@@ -65,6 +65,27 @@ def test_quantize_linears_keeps_the_head_and_refuses_unknown_modes():
         quantize_linears(model, "int3", torch.float32)
 
 
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_a_dense_copy_runs_forwards_from_its_row_count_and_matches_the_kernel(cls):
+    lin = _linear()
+    q = cls(lin, torch.float32)
+    q.keep_dense(4, torch.float32)
+    narrow, wide = torch.randn(3, 96), torch.randn(2, 2, 96)  # 3 rows: the kernel; 4 rows: the dense copy
+    assert torch.equal(q(narrow), q._mm(narrow) + lin.bias)
+    assert torch.equal(q(wide), (wide.view(4, 96) @ q.dense_weight.T + lin.bias).view(2, 2, 64))
+    assert torch.allclose(q._mm(wide.view(4, 96)), wide.view(4, 96) @ q.dense_weight.T, atol=1e-5)  # same weights
+
+
+def test_quantize_linears_keeps_dense_copies_only_when_asked():
+    for rows, dense in ((0, False), (8, True)):
+        model = nn.Sequential()
+        model.add_module("proj", _linear())
+        quantize_linears(model, "int4", torch.float32, dense_from_rows=rows)
+        assert hasattr(model.proj, "dense_weight") == dense and "_codes" not in vars(model.proj)
+    with pytest.raises(ValueError, match="quantization_dense_rows"):
+        EngineConfig(quantization="int4", quantization_dense_rows=-1)
+
+
 def test_config_names_the_field():
     assert EngineConfig(quantization="INT4").quantization == "int4"
     assert EngineConfig(quantization="none").quantization is None
@@ -80,6 +101,26 @@ def test_speculation_is_exact_on_the_quantized_target(tiny, mode):
     unquantized = [o.output_token_ids for o in run(make_core(tiny["llama"]), PROMPTS, GREEDY)]
     assert expected != unquantized  # the quantized model is a different model (a test that could not fail otherwise)
     for kw in (dict(draft=tiny["llama_draft"], k=3), dict(speculative_method="ngram", k=4)):
-        outs = run(make_core(tiny["llama"], quantization=mode, **kw), PROMPTS, GREEDY, join_after=2, join_from=5)
+        core = make_core(tiny["llama"], quantization=mode, **kw)
+        if "draft" in kw:  # the draft model follows the target's quantization
+            assert any(isinstance(m, PackedLinear) for m in core.proposers["draft"].model.modules())
+        outs = run(core, PROMPTS, GREEDY, join_after=2, join_from=5)
         assert [o.output_token_ids for o in outs] == expected
         assert sum(o.speculation.num_draft_tokens for o in outs) > 0
+    # wide forwards (verify rows, batched prefill) on the dense copy: the same weights, fp32 rounding apart
+    outs = run(make_core(tiny["llama"], quantization=mode, quantization_dense_rows=3, speculative_method="ngram", k=4),
+               PROMPTS, GREEDY, join_after=2, join_from=5)
+    assert [o.output_token_ids for o in outs] == expected
+
+
+def test_eagle3_drafter_follows_the_quantization_and_stays_exact(tiny, tmp_path):
+    from specserve.engine.spec_decode.eagle3.model import save_drafter
+    from tests.engine.test_eagle3 import random_drafter
+
+    drafter = save_drafter(random_drafter(tiny["llama"], [1, 1, 1]), tmp_path / "eagle3")
+    expected = [o.output_token_ids for o in run(make_core(tiny["llama"], quantization="int8"), PROMPTS, GREEDY)]
+    core = make_core(tiny["llama"], quantization="int8", speculative_method="eagle3", k=3, draft=drafter)
+    assert any(isinstance(m, PackedLinear) for m in core.proposers["eagle3"].drafter.modules())
+    outs = run(core, PROMPTS, GREEDY, join_after=2, join_from=5)
+    assert [o.output_token_ids for o in outs] == expected
+    assert sum(o.speculation.num_draft_tokens for o in outs) > 0
