@@ -62,8 +62,9 @@ HELP: dict[str, tuple[str, str | None]] = {
     "dtype": ("weights/activations dtype: auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16",
               None),
     "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
-    "quantization": ("weight-only quantized linear layers on CPU: int8 (per-channel) | int4 (groups of 32; a Q4_1 "
-                     "GGUF keeps its own 4-bit weights) | none", "none: the dtype's weights"),
+    "quantization": ("weight-only quantized linear layers on CPU: auto (a GGUF target whose decoder weights are all "
+                     "Q4_1 keeps them: int4; anything else: none) | int8 (per-channel) | int4 (groups of 32) | none "
+                     "(the dtype's weights)", None),
     "quantization_dense_rows": ("with --quantization: forwards of at least this many token rows (wide verify or "
                                 "batched steps, where the packed kernels are slower than a dense matmul) run a "
                                 "dense copy of each quantized layer, kept beside the packed one (more memory)",

@@ -130,7 +130,8 @@ class EngineConfig:
     speculative_eagle_topk: int = 1  # eagle3: > 1 drafts dynamic trees (SGLang's flag); k is then the node budget
     speculative_config: str | None = None  # vLLM's JSON (object or list); replaces the flat speculation fields
     dtype: str = "auto"  # auto = bf16 where the device computes it natively, else fp16 (CUDA) or fp32 (CPU)
-    quantization: str | None = None  # weight-only int8 / int4 linear layers (CPU kernels); None: the dtype's weights
+    quantization: str | None = "auto"  # weight-only int8 / int4 linear layers (CPU kernels); auto: a Q4_1 GGUF's own
+    # 4-bit weights on CPU (int4), else none; None / "none": the dtype's weights
     quantization_dense_rows: int = 0  # > 0: forwards of at least this many rows run a dense copy of quantized layers
     device: str = "auto"  # auto = cuda when present
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
@@ -164,8 +165,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: {msg}")
         check_medusa_fields(self)
         quant = None if self.quantization in (None, "", "none") else str(self.quantization).lower()
-        if quant is not None and quant not in QUANTIZATIONS:
-            raise ValueError(f"quantization: {self.quantization!r} is not one of none, {', '.join(QUANTIZATIONS)}")
+        if quant is not None and quant not in (AUTO, *QUANTIZATIONS):
+            raise ValueError(f"quantization: {self.quantization!r} is not one of auto, none, {', '.join(QUANTIZATIONS)}")
         object.__setattr__(self, "quantization", quant)
         object.__setattr__(self, "num_speculative_tokens", parse_k(self.num_speculative_tokens))
         # the methods, parsed once here; their names are checked where the registry lives

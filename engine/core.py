@@ -32,6 +32,7 @@ from specserve.engine.model.loader import (
     resolve_chat_template,
     resolve_device,
     resolve_dtype,
+    resolve_quantization,
 )
 from specserve.engine.model.runner import ModelRunner
 from specserve.engine.request import Request, RequestOutput, TokenLogprob
@@ -66,13 +67,16 @@ class EngineCore:
         self.tokenizer = load_tokenizer(target_path, remote)
         if config.chat_template:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
-        target = load_model(target_path, self.dtype, self.device, remote, quantization=config.quantization,
+        self.quantization = resolve_quantization(config.quantization, target_path, self.device)
+        if config.quantization == "auto" and self.quantization is not None:
+            log.info("quantization auto: %s keeps its 4-bit weights (%s)", target_path, self.quantization)
+        target = load_model(target_path, self.dtype, self.device, remote, quantization=self.quantization,
                             dense_from_rows=config.quantization_dense_rows)
         self.vocab_size = target.config.vocab_size
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
                               self.dtype, remote, tree_attention, target.get_output_embeddings().weight,
-                              target.get_input_embeddings(), config.quantization)
+                              target.get_input_embeddings(), self.quantization)
         proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
         self.default_method = next(iter(proposers), NONE)
         self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
@@ -109,7 +113,7 @@ class EngineCore:
                                       {n: p.num_speculative_tokens for n, p in proposers.items()}, adaptive,
                                       self.allocator.num_blocks, self.allocator.block_size,
                                       frozenset(self.eos_token_ids), self.device,
-                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{config.quantization}|"
+                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{self.quantization}|"
                                       f"{config.quantization_dense_rows}|"
                                       f"{config.trust_remote_code}",
                                       self.grammars)

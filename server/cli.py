@@ -26,7 +26,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bf16 where native, else fp32 on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda[:N]")
-    p.add_argument("--quantization", default=None, help="int8 | int4 weight-only linear layers on CPU (default: none)")
+    p.add_argument("--quantization", default="auto",
+                   help="auto (a Q4_1 GGUF keeps its 4-bit weights on CPU) | int8 | int4 | none (default: auto)")
     p.add_argument("--quantization-dense-rows", type=int, default=0,
                    help="with --quantization: forwards of at least this many rows use a dense copy (0: never)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")

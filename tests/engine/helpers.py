@@ -60,12 +60,14 @@ def drive(core: EngineCore, arrivals: list[tuple[int, object, SamplingParams]]) 
 
 
 def bundled_method_outputs(method: str, k: int, max_tokens: int = 32) -> list[RequestOutput]:
-    """What `specserve serve --speculative-method METHOD` runs on the demo target (fp32 here), its bundled proposer
-    found without a flag: four held-out chat questions in one batch must equal plain decoding. -> the outputs."""
+    """What `specserve serve --speculative-method METHOD` runs on the demo target (here in fp32 and dequantised, as
+    before int4 became the demo's default on CPU; speculation on int4 targets is tested in test_quantization.py), its
+    bundled proposer found without a flag: four held-out chat questions in one batch must equal plain decoding.
+    -> the outputs."""
     from bench.prompts import heldout_prompts
     from specserve.engine import LLM
 
-    llm = LLM(speculative_method=method, dtype="float32", kv_cache_memory=64 << 20, seed=0)
+    llm = LLM(speculative_method=method, dtype="float32", quantization="none", kv_cache_memory=64 << 20, seed=0)
     chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in heldout_prompts()[:4]]
     plain = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens, num_speculative_tokens=0))

@@ -7,7 +7,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specserve.engine.errors import InvalidRequestError
-from specserve.engine.model.loader import _pretrained_args, demo_target_gguf, load_model, load_tokenizer
+from specserve.engine.model.loader import (
+    _pretrained_args,
+    demo_target_gguf,
+    load_model,
+    load_tokenizer,
+    resolve_quantization,
+)
 from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 
@@ -18,8 +24,9 @@ pytestmark = [pytest.mark.slow,  # GGUF loads
 
 @pytest.fixture(scope="module")
 def core():
-    """One engine for the module: the GGUF file as target and as its own draft (requests pick k; 0 = plain)."""
-    return make_core(GGUF, GGUF, k=3, max_num_seqs=4, kv_cache_memory=64 << 20)
+    """One engine for the module: the GGUF file as target and as its own draft (requests pick k; 0 = plain),
+    dequantised (quantization none; the default, auto, keeps a Q4_1 file's 4-bit weights: the test below)."""
+    return make_core(GGUF, GGUF, k=3, max_num_seqs=4, kv_cache_memory=64 << 20, quantization="none")
 
 
 def test_loads_dense_with_tokenizer_and_chat_template(core):
@@ -63,3 +70,10 @@ def test_broken_gguf_file_is_a_clear_error(tmp_path):
         assert e.value.param == "model"
     with pytest.raises(FileNotFoundError, match="no model file"):
         make_core(tmp_path / "missing.gguf")
+
+
+def test_auto_quantization_keeps_a_q4_1_files_own_weights_on_cpu_only(tiny):
+    assert resolve_quantization("auto", GGUF, torch.device("cpu")) == "int4"  # 210 Q4_1 matrices under blk.*
+    assert resolve_quantization("auto", GGUF, torch.device("cuda")) is None  # the packed kernels are CPU kernels
+    assert resolve_quantization("auto", tiny["llama"], torch.device("cpu")) is None  # not a GGUF: the dtype
+    assert resolve_quantization("int8", tiny["llama"], torch.device("cpu")) == "int8"  # explicit values pass

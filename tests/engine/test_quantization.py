@@ -87,6 +87,7 @@ def test_quantize_linears_keeps_dense_copies_only_when_asked():
 
 
 def test_config_names_the_field():
+    assert EngineConfig().quantization == "auto" and EngineConfig(quantization=None).quantization is None
     assert EngineConfig(quantization="INT4").quantization == "int4"
     assert EngineConfig(quantization="none").quantization is None
     with pytest.raises(ValueError, match="quantization"):
