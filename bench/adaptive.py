@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none",
+                    help="none (default: the dtype's weights, as docs/ measured) | auto (the server's default) | int8 | int4")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30)
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     config = [{"method": m, "num_speculative_tokens": "auto"}  # Medusa's and DFlash's auto: their whole tree/block
               | ({} if m in ("medusa", "dflash") else {"max_speculative_tokens": args.max_k}) for m in args.methods]
-    llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype,
+    llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, quantization=args.quantization,
               kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.concurrency), seed=args.seed)
     proposers = llm.engine.proposers
     controller = llm.engine.controller

@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="auto = the engine's choice (bf16 where native, else fp32 on CPU)")
+    ap.add_argument("--quantization", default="none",
+                    help="none (default: the dtype's weights, as docs/ measured) | auto (the server's default) | int8 | int4")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.only:
         config = [c for c in config if c["method"] in args.only.split(",")]
     llm = LLM(model=args.model, speculative_config=json.dumps(config), dtype=args.dtype, device=args.device,
+              quantization=args.quantization,
               kv_cache_memory=512 << 20, max_num_seqs=max(4, *args.concurrency), seed=args.seed,
               max_speculative_tokens=args.max_k)
     args.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what `auto` resolved to, for the report

@@ -77,7 +77,7 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
     cmds = {"specserve-plain": spec + ["--speculative-method", "none"],
             "specserve-k2": spec + ["--num-speculative-tokens", "2"],
             "specserve-auto": spec + ["--num-speculative-tokens", "auto"],
-            "specserve-eagle3": demo,
+            "specserve-eagle3": demo + ["--quantization", "none"],
             "specserve-int8": demo + ["--quantization", "int8", "--speculative-method", "none"],
             "specserve-int4": demo + ["--quantization", "int4", "--speculative-method", "none"],
             "specserve-int4-eagle3": demo + ["--quantization", "int4"],

@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none",
+                    help="none (default: the dtype's weights, as docs/ measured) | auto (the server's default) | int8 | int4")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes per engine")
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = dict(model=args.model, speculative_method=args.speculative_method, dtype=args.dtype, device=args.device,
-              kv_cache_memory=args.kv_cache_memory, seed=0)
+              quantization=args.quantization, kv_cache_memory=args.kv_cache_memory, seed=0)
     engines = {False: LLM(enable_prefix_caching=False, **kw), True: LLM(enable_prefix_caching=True, **kw)}
     doc = notes(engines[True].tokenizer, args.prefix_tokens)
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch-size", type=int, default=1, help="prompts per generate() call")
     ap.add_argument("--dtype", default="auto", help="auto = the engine's choice (bf16 where native, else fp32 on CPU)")
+    ap.add_argument("--quantization", default="none",
+                    help="none (default: the dtype's weights, as docs/ measured) | auto (the server's default) | int8 | int4")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     prompts, source = load_prompts(args)
     llm = LLM(model=args.model, draft_model=args.draft_model, num_speculative_tokens=max(args.ks), dtype=args.dtype,
+              quantization=args.quantization,
               device=args.device, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch_size, 1),
               seed=args.seed)
     args.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what `auto` resolved to, for the report

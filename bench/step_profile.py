@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per setting at least (c per generate() call)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--quantization", default="none", help="none (default) | auto (the server's default) | int8 | int4")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]

@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none",
+                    help="none (default: the dtype's weights, as docs/ measured) | auto (the server's default) | int8 | int4")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -115,7 +117,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, seed=0)
     llm.generate(["warm up"] * 2, SamplingParams(temperature=0.0, max_tokens=8))
     # the schema's first masks build llguidance's lexer lazily (a one-time cost per schema): not per token
     run_case(llm, prompts_for(llm, 1), "none", True, args.max_tokens)
