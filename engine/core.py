@@ -67,7 +67,7 @@ class EngineCore:
         self.tokenizer = load_tokenizer(target_path, remote)
         if config.chat_template:
             self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
-        self.quantization = resolve_quantization(config.quantization, target_path, self.device)
+        self.quantization = resolve_quantization(config.quantization, target_path, self.device, self.dtype)
         if config.quantization == "auto" and self.quantization is not None:
             log.info("quantization auto: %s keeps its 4-bit weights (%s)", target_path, self.quantization)
         target = load_model(target_path, self.dtype, self.device, remote, quantization=self.quantization,

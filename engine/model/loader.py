@@ -58,13 +58,15 @@ def is_gguf(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
-def resolve_quantization(requested: str | None, path: str | os.PathLike, device: torch.device) -> str | None:
-    """`auto`: a GGUF target on CPU whose decoder weights (the blk.* matrices) are all Q4_1 runs them as int4 — the
-    file's own codes, scales and minima (engine/model/quantize.py), the model the user gave and the fastest mode on
-    CPU (docs/benchmarks.md); anything else loads in the dtype. Other values pass through."""
+def resolve_quantization(requested: str | None, path: str | os.PathLike, device: torch.device,
+                         dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """`auto`: a GGUF target on CPU, in bf16/fp16, whose decoder weights (the blk.* matrices) are all Q4_1 runs them as
+    int4 — the file's own codes, scales and minima (engine/model/quantize.py), the model the user gave and the
+    fastest mode measured on CPU (docs/benchmarks.md); anything else loads in the dtype (in fp32 the int4 kernel was
+    far slower than the dequantised model). Other values pass through."""
     if requested != "auto":
         return requested
-    if device.type != "cpu" or not is_gguf(path):
+    if device.type != "cpu" or dtype == torch.float32 or not is_gguf(path):
         return None
     from gguf import GGUFReader  # transformers' own GGUF dependency
 
