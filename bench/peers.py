@@ -1,6 +1,6 @@
 """specserve against its peers on one machine, one server after another, same target, same prompts, same client
 (bench/loadgen.py): specserve plain / fixed k / auto, the demo default (EAGLE-3) and the weight-only quantizations
-(int8, int4: plain, and int4 with the demo default), `transformers serve --continuous-batching`, and llama.cpp's
+(int8, int4: plain, and int4 with the demo default; int4 with `--enable-torch-compile`), `transformers serve --continuous-batching`, and llama.cpp's
 `llama-server` on the GGUF file (plain, and with a GGUF draft when given); plus HF `generate()` plain and with
 `assistant_model` (our full-vocabulary draft) at batch 1 (bench/hf_generate.py, concurrency 1 only).
 
@@ -81,6 +81,9 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
             "specserve-int8": demo + ["--quantization", "int8", "--speculative-method", "none"],
             "specserve-int4": demo + ["--quantization", "int4", "--speculative-method", "none"],
             "specserve-int4-eagle3": demo + ["--quantization", "int4"],
+            "specserve-int4-compile": demo + ["--quantization", "int4", "--speculative-method", "none",
+                                              "--enable-torch-compile"],
+            "specserve-int4-eagle3-compile": demo + ["--quantization", "int4", "--enable-torch-compile"],
             "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(hf_dir),
                              "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
                              "--dtype", dtype]}

@@ -69,6 +69,11 @@ HELP: dict[str, tuple[str, str | None]] = {
                                 "batched steps, where the packed kernels are slower than a dense matmul) run a "
                                 "dense copy of each quantized layer, kept beside the packed one (more memory)",
                                 "0: packed kernels at every width"),
+    "enable_torch_compile": ("run the target's forward through torch.compile (TorchInductor; SGLang's flag): fewer, "
+                             "fused kernels per step; the engine compiles at start (a warm-up of a few requests: minutes "
+                             "on a small CPU, less from Inductor's disk cache) and any shape it did not meet on first "
+                             "use; on CPU it needs a C++ compiler (without one: a warning, eager)",
+                             None),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
                         "min(4 GiB, RAM/4) on CPU"),
     "max_num_seqs": ("most sequences running in one step", None),

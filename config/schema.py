@@ -133,6 +133,7 @@ class EngineConfig:
     quantization: str | None = "auto"  # weight-only int8 / int4 linear layers (CPU kernels); auto: a Q4_1 GGUF's own
     # 4-bit weights on CPU (int4), else none; None / "none": the dtype's weights
     quantization_dense_rows: int = 0  # > 0: forwards of at least this many rows run a dense copy of quantized layers
+    enable_torch_compile: bool = False  # the target's forward through torch.compile (engine/model/compile.py)
     device: str = "auto"  # auto = cuda when present
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
     max_num_seqs: int = 64

@@ -23,6 +23,7 @@ from specserve.config.schema import EngineConfig
 from specserve.engine.admission import RequestBuilder
 from specserve.engine.errors import InvalidRequestError
 from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, SeqChunk
+from specserve.engine.model.compile import compilations, compile_model
 from specserve.engine.model.loader import (
     check_model_path,
     default_kv_cache_memory,
@@ -102,6 +103,7 @@ class EngineCore:
                                   hidden_layers=hidden_layers)
         for p in proposers.values():
             p.bind_kv(num_blocks, config.block_size)
+        self.compiled = config.enable_torch_compile and compile_model(target, self.device)
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len,
                                    {n: p.needs.prefix_kv for n, p in self.router.kv_proposers.items()})
@@ -120,6 +122,27 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
+        if self.compiled:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """With a compiled target: compile before serving the shape classes a step meets (a prefill, one sequence
+        decoding, several decoding and verifying together), so that no request waits on the compiler for them;
+        then forget the warm-up's counts."""
+        t0, graphs = time.perf_counter(), compilations()
+        bs = self.config.block_size
+        ids = self.tokenizer.encode("Warm up the compiled forward with a few words of prompt and some more.")
+        ids = (ids * (4 * bs // max(len(ids), 1) + 1))[: 4 * bs]  # any valid ids, 4 blocks of them
+        # one sequence whose prompt fits a block and whose output crosses into the next (block tables 1 and 2
+        # wide: Dynamo specializes sizes 1), then three of different lengths together
+        for lengths in ([bs // 2], [bs + 3, 2 * bs + 5, 4 * bs - 1]):
+            params = SamplingParams(max_tokens=bs, temperature=0.0, ignore_eos=True)
+            for i, n in enumerate(lengths):
+                self.add_request(self.make_request(f"warm-up-{len(lengths)}-{i}", ids[:n], params))
+            while self.has_unfinished():
+                self.step()
+        self.totals, self.last_step = EngineTotals(), StepStats()
+        log.info("compile: warmed up in %.1f s (%d graphs)", time.perf_counter() - t0, compilations() - graphs)
 
     @staticmethod
     def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:
@@ -206,6 +229,7 @@ class EngineCore:
             t_propose = time.perf_counter()
             seqs, proposals = self._propose(seqs)
             layout = RowLayout.build(seqs)
+            graphs = compilations() if self.compiled else 0
             t_forward = time.perf_counter()
             stats.draft_seconds = t_forward - t_propose
             logits, hidden, hidden_rows = self._target_forward(seqs, proposals, layout)
@@ -221,8 +245,9 @@ class EngineCore:
             short = [s.num_new_tokens for s in seqs if s.num_new_tokens <= SHORT_QUERY]  # padded together
             kind = ("tree" if any(p is not None and p.is_tree for p in proposals)
                     else "chain" if any(p is not None for p in proposals) else "plain")
-            self.controller.observe_forward(sum(s.num_new_tokens for s in seqs), len(short) * max(short, default=0),
-                                            stats.verify_seconds, kind)
+            if not self.compiled or compilations() == graphs:  # a step that compiled a new shape is no cost sample
+                self.controller.observe_forward(sum(s.num_new_tokens for s in seqs),
+                                                len(short) * max(short, default=0), stats.verify_seconds, kind)
         return self._step_outputs(seqs, stats, t0)
 
     def _apply_preemptions_and_cache_hits(self, sched) -> None:

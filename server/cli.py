@@ -30,6 +30,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (a Q4_1 GGUF keeps its 4-bit weights on CPU) | int8 | int4 | none (default: auto)")
     p.add_argument("--quantization-dense-rows", type=int, default=0,
                    help="with --quantization: forwards of at least this many rows use a dense copy (0: never)")
+    p.add_argument("--enable-torch-compile", action="store_true",
+                   help="the target's forward through torch.compile (each new shape compiles on first use)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int)
@@ -42,7 +44,8 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, draft_model=args.draft_model, speculative_method=args.speculative_method,
               num_speculative_tokens=args.num_speculative_tokens, max_speculative_tokens=args.max_speculative_tokens,
               dtype=args.dtype, device=args.device, quantization=args.quantization,
-              quantization_dense_rows=args.quantization_dense_rows, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed,
+              quantization_dense_rows=args.quantization_dense_rows, enable_torch_compile=args.enable_torch_compile,
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed,
               chat_template=args.chat_template, prompt_lookup_min=args.prompt_lookup_min,
               prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_branches=args.prompt_lookup_branches,
               speculative_config=args.speculative_config)
