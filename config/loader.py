@@ -74,6 +74,10 @@ HELP: dict[str, tuple[str, str | None]] = {
                              "on a small CPU, less from Inductor's disk cache) and any shape it did not meet on first "
                              "use; on CPU it needs a C++ compiler (without one: a warning, eager)",
                              None),
+    "responses_store_max_entries": ("/v1/responses with store: true keeps responses in memory for "
+                                    "previous_response_id and GET/DELETE /v1/responses/{id}: at most this many, "
+                                    "oldest evicted first (0: none kept); a restart forgets them", None),
+    "responses_store_max_age": ("seconds a stored response is kept; then its id is a 404", None),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
                         "min(4 GiB, RAM/4) on CPU"),
     "max_num_seqs": ("most sequences running in one step", None),

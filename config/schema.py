@@ -229,6 +229,8 @@ class ServerConfig:
     log_prompts: bool = False  # put prompt and completion text in the request log lines (off: never)
     tool_call_parser: str = "hermes"  # how tool calls look in the model's output (server/tools.py)
     prefix_caching_per_key: bool = True  # with several API keys, requests of different keys never share cached KV
+    responses_store_max_entries: int = 1000  # /v1/responses with store: true keeps at most this many (oldest out)
+    responses_store_max_age: float = 3600.0  # ... for at most this many seconds
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -247,6 +249,10 @@ class ServerConfig:
             raise ValueError("max_request_bytes: must be >= 1")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("request_timeout: must be > 0")
+        if self.responses_store_max_entries < 0:
+            raise ValueError("responses_store_max_entries: must be >= 0 (0: store nothing)")
+        if self.responses_store_max_age <= 0:
+            raise ValueError("responses_store_max_age: must be > 0")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.tokenizer = None  # a copy for the event loop's thread: HF fast tokenizers are not safe to share
+        self.max_model_len: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -58,6 +59,7 @@ class AsyncEngine:
         try:
             await loaded
             self.tokenizer = copy.deepcopy(self.core.tokenizer)
+            self.max_model_len = self.core.max_model_len
         except Exception as exc:  # a bad model path must not kill the server: /health reports it
             self._state, self._error = "dead", f"model loading failed: {exc}"
             raise

@@ -32,6 +32,7 @@ class EngineSnapshot:
 
 class EngineClient(Protocol):
     tokenizer: object  # for the caller's thread (chat templates, token strings)
+    max_model_len: int  # longest prompt + output in tokens (set once loaded)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None):
         """Validate and enqueue at once (errors raise here); returns an async iterator of outputs whose

@@ -21,6 +21,7 @@ from specserve.server.auth import resolve_api_keys
 from specserve.server.errors import BodyLimitMiddleware, install_error_handlers
 from specserve.server.metrics import Metrics
 from specserve.server.request_log import RequestIdMiddleware
+from specserve.server.response_store import ResponseStore
 from specserve.server.routes import router
 from specserve.server.serving import ServingContext
 from specserve.server.tools import PARSERS
@@ -77,11 +78,13 @@ def create_app(config: AppConfig) -> FastAPI:
     app.state.ctx = ServingContext(engine=engine, model_name=name, request_timeout=config.server.request_timeout,
                                    tool_parser=PARSERS[config.server.tool_call_parser])
     app.state.draining = False
+    app.state.responses = ResponseStore(config.server.responses_store_max_entries,
+                                        config.server.responses_store_max_age)
     install_error_handlers(app)
     app.include_router(router)
     if config.server.cors_allow_origins:
         origins = [o.strip() for o in config.server.cors_allow_origins.split(",") if o.strip()]
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.server.max_request_bytes)
     app.add_middleware(RequestIdMiddleware)

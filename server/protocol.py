@@ -328,8 +328,36 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "specserve"
+    max_model_len: int | None = None  # vLLM's field: longest prompt + output in tokens
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- vLLM's tokenizer endpoints ------------------------------------------------------------------------------------
+
+class TokenizeRequest(RequestModel):
+    """`POST /tokenize`: a prompt (raw text, the tokenizer's special tokens added unless add_special_tokens is
+    false) or chat messages (rendered by the chat template, as /v1/chat/completions does)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedFieldError("prompt", "give exactly one of prompt and messages")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise UnsupportedFieldError("add_generation_prompt", "add_generation_prompt false is not supported")
+        return self
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,8 +13,18 @@ from specserve.engine.tokens import encode_prompt, encode_rendered
 from specserve.server.auth import require_api_key
 from specserve.server.errors import APIError
 from specserve.server.metrics import CONTENT_TYPE
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ModelList
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+)
 from specserve.server.request_log import log_finished
+from specserve.server.responses import ResponseShell, final_response, response_stream
+from specserve.server.responses_protocol import ResponsesRequest
+from specserve.server.schema_base import UnsupportedFieldError
 from specserve.server.serving import (
     chat_response,
     check_model,
@@ -30,6 +41,7 @@ from specserve.server.tools import forced_call_grammar
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 router = APIRouter()
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=_ERRORS)
+tokens = APIRouter(dependencies=[Depends(require_api_key)], responses=_ERRORS)  # vLLM's, outside /v1
 
 
 def _ready(request: Request):
@@ -58,8 +70,9 @@ async def _unless_disconnected(request: Request, coro):
 
 @v1.get("/models", response_model=ModelList)
 async def list_models(request: Request):
-    return {"object": "list", "data": [{"id": request.app.state.ctx.model_name, "object": "model",
-                                         "created": now(), "owned_by": "specserve"}]}
+    ctx = request.app.state.ctx
+    return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
+                                         "owned_by": "specserve", "max_model_len": ctx.engine.max_model_len}]}
 
 
 def _logger(request: Request, rid: str, endpoint: str, num_prompt_tokens: int, prompt, body=None):
@@ -76,10 +89,8 @@ def _tenant(request: Request) -> str | None:
     return getattr(request.state, "tenant", None) if per_key else None
 
 
-@v1.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    ctx = _ready(request)
-    check_model(ctx, body.model)
+def _chat_jobs(ctx, body: ChatCompletionRequest, request: Request):
+    """A chat request's prompt, its token ids, the tool parsing of its output (or None) and its n engine jobs."""
     parser = ctx.tool_parser
     prompt = render_chat_prompt(ctx.tokenizer, body, parser)
     forced = forced_call_grammar(body.tool_dicts(), body.forced_function, body.parallel_tool_calls is not False,
@@ -92,6 +103,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     tenant = _tenant(request)
     jobs = [(ids, body.sampling_params(body.requested_max_tokens, body.num_logprobs, i, predicted, tenant, forced))
             for i in range(body.n)]
+    return prompt, ids, tools, jobs
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    ctx = _ready(request)
+    check_model(ctx, body.model)
+    prompt, ids, tools, jobs = _chat_jobs(ctx, body, request)
     rid = new_id("chatcmpl")
     streams = submit_all(ctx, jobs, rid, param="messages")
     done = _logger(request, rid, "chat", len(ids), prompt, body)
@@ -103,6 +122,61 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if outs is None:
         return Response(status_code=499)
     return JSONResponse(chat_response(ctx, rid, len(ids), outs, tools))
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+
+
+@v1.post("/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    """OpenAI's Responses API on the chat path (server/responses_protocol.py): the same generation as the chat
+    request of the same messages."""
+    ctx = _ready(request)
+    check_model(ctx, body.model)
+    store = request.app.state.responses
+    history = []
+    if body.previous_response_id is not None:
+        previous = store.get(body.previous_response_id)
+        if previous is None:
+            raise _not_found(body.previous_response_id, "previous_response_id")
+        history = previous.conversation
+    try:
+        chat = body.to_chat(history)
+    except UnsupportedFieldError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
+    prompt, ids, tools, jobs = _chat_jobs(ctx, chat, request)
+    rid = f"resp_{uuid.uuid4().hex}"
+    streams = submit_all(ctx, jobs, rid, param="input")
+    done = _logger(request, rid, "responses", len(ids), prompt, body)
+    shell = ResponseShell(ctx, rid, body)
+    conversation = history + body.input_messages()
+    on_stored = (lambda resp, reply: store.put(resp, conversation + reply)) if body.store else None
+    if body.stream:
+        return response_stream(shell, streams, len(ids), tools, done, on_stored)
+    outs = await _unless_disconnected(request, collect(streams, ctx.request_timeout))
+    done(outs or [], "ok" if outs is not None else "disconnected")
+    if outs is None:
+        return Response(status_code=499)
+    resp, message = final_response(shell, outs[0], len(ids), tools)
+    if on_stored is not None:
+        on_stored(resp, [message])
+    return JSONResponse(resp)
+
+
+@v1.get("/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    stored = request.app.state.responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id, "response_id")
+    return stored.response
+
+
+@v1.delete("/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    if not request.app.state.responses.delete(response_id):
+        raise _not_found(response_id, "response_id")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @v1.post("/completions")
@@ -145,6 +219,41 @@ async def health(request: Request):
     return JSONResponse({"status": state, "error": h.error}, status_code=503)
 
 
+def _check_optional_model(ctx, model: str | None) -> None:
+    if model is not None:
+        check_model(ctx, model)
+
+
+@tokens.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    """vLLM's /tokenize: a prompt as /v1/completions encodes it, or messages as /v1/chat/completions renders them."""
+    ctx = _ready(request)
+    _check_optional_model(ctx, body.model)
+    tok = ctx.tokenizer
+    if body.messages is not None:
+        chat = ChatCompletionRequest.model_construct(messages=body.messages, tools=None, tool_choice=None)
+        text = render_chat_prompt(tok, chat, ctx.tool_parser)
+        ids = tok(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"]
+    else:
+        ids = tok(body.prompt, add_special_tokens=body.add_special_tokens is not False)["input_ids"]
+    out = {"count": len(ids), "max_model_len": ctx.engine.max_model_len, "tokens": ids, "token_strs": None}
+    if body.return_token_strs:
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return out
+
+
+@tokens.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    ctx = _ready(request)
+    _check_optional_model(ctx, body.model)
+    size = len(ctx.tokenizer)
+    bad = [i for i, t in enumerate(body.tokens) if not 0 <= t < size]
+    if bad:
+        raise APIError(400, f"tokens.{bad[0]}: token id {body.tokens[bad[0]]} is not in the vocabulary "
+                       f"(0..{size - 1})", param=f"tokens.{bad[0]}", code="invalid_token_id")
+    return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+
 @router.get("/version")
 async def version_info(request: Request):
     return {"version": request.app.version}
@@ -156,3 +265,4 @@ async def metrics(request: Request):
 
 
 router.include_router(v1)
+router.include_router(tokens)

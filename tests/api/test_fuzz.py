@@ -1,4 +1,4 @@
-"""Property-based fuzzing of POST /v1/chat/completions and POST /v1/completions with schemathesis, driven by the
+"""Property-based fuzzing of POST /v1/chat/completions, /v1/completions and /v1/responses with schemathesis, driven by the
 app's own OpenAPI document, against the real engine on tiny models (in-process, lifespan run by TestClient).
 
 Checked, and only this: no response is a 5xx (nor an exception escaping the app), and every 4xx body has OpenAI's
@@ -30,6 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from specserve.server.responses_protocol import ResponsesRequest  # noqa: E402
 from tests.api.conftest import make_client, wait_ready  # noqa: E402
 
 pytestmark = pytest.mark.slow  # property-based fuzzing (tools/test.sh runs the slow tier)
@@ -38,7 +39,7 @@ MODEL = "tiny"
 MAX_TOKENS = 8
 MAX_N = 2
 MAX_PROMPTS = 4
-OPERATIONS = ["/v1/chat/completions", "/v1/completions"]
+OPERATIONS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 # fields the server refuses whenever they carry a value (server/protocol.py): generated freely, they would turn
 # most positive cases into the same 400
 REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio", "prediction",
@@ -47,6 +48,11 @@ REFUSED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_
            # (tests/api/test_structured_api.py)
            "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "logit_bias")
 EXAMPLES = {GenerationMode.POSITIVE: 600, GenerationMode.NEGATIVE: 300}
+# /v1/responses converts into a chat request (server/responses_protocol.py): its own validation is what is new
+EXAMPLE_SHARE = {"/v1/responses": 0.5}
+# refused whenever set, or (previous_response_id) a 404 for any id the fuzzer can make up
+RESPONSES_REFUSED = ("background", "prompt", "conversation", "max_tool_calls", "truncation", "include",
+                     "previous_response_id", "stream_options", "tools", "tool_choice", "text")
 SEED = 20250101  # a fixed seed, not derandomize: that one hashes the test's source, so any edit reshuffles cases
 # This fuzzer once found top_k >= 2**63 overflowing the engine's int64 tensor (the step failed, the engine went
 # dead); the engine now treats any top_k >= the vocabulary as "off", and test_numeric_edges pins that.
@@ -106,14 +112,16 @@ def cheapen(body, path: str, vocab: int):
     if roll % 8 and isinstance(body.get("model"), str):
         body["model"] = MODEL
     if (roll >> 3) % 2:
-        for key in REFUSED:
+        for key in REFUSED + (RESPONSES_REFUSED if path == "/v1/responses" else ()):
             body.pop(key, None)
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if _is_int_value(body.get(key)) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
     if path == "/v1/chat/completions" and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS  # chat's default is the rest of the context
+    if path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_TOKENS
     if _is_int_value(body.get("n")) and body["n"] > MAX_N:
         if _is_int_value(body.get("best_of")) and body["best_of"] == body["n"]:
             body["best_of"] = MAX_N  # best_of == n is the one accepted value: keep the case valid
@@ -159,7 +167,7 @@ def test_fuzz_no_5xx_and_openai_errors(tiny, app_client, api_schema, path, mode)
     failures: list[str] = []  # the first failure: with a dead engine, Hypothesis shrinks to an unrelated case
 
     @seed(SEED)
-    @settings(FUZZ, max_examples=EXAMPLES[mode])
+    @settings(FUZZ, max_examples=int(EXAMPLES[mode] * EXAMPLE_SHARE.get(path, 1)))
     @given(data=st.data())
     def run(data):
         case = data.draw(operation.as_strategy(generation_mode=mode), label="case")
@@ -211,7 +219,8 @@ def test_fuzz_no_5xx_and_openai_errors(tiny, app_client, api_schema, path, mode)
 
 BASE = {"/v1/chat/completions": ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                                  ChatCompletionRequest),
-        "/v1/completions": ({"model": MODEL, "prompt": "hi", "max_tokens": 2}, CompletionRequest)}
+        "/v1/completions": ({"model": MODEL, "prompt": "hi", "max_tokens": 2}, CompletionRequest),
+        "/v1/responses": ({"model": MODEL, "input": "hi", "max_output_tokens": 2}, ResponsesRequest)}
 INT_EDGES = (2 ** 63 - 1, 2 ** 63, 2 ** 64, 10 ** 30, -(2 ** 63) - 1)
 FLOAT_EDGES = (5e-324, 1e-300, 1e308, -1e308)
 
@@ -234,8 +243,7 @@ def _edge_cases():
                 body = base | {name: value}
                 if name == "max_completion_tokens":
                     body.pop("max_tokens")
-                yield pytest.param(path, body,
-                                   id=f"{'chat' if 'chat' in path else 'completions'}-{name}={value!r}")
+                yield pytest.param(path, body, id=f"{path.removeprefix('/v1/').split('/')[0]}-{name}={value!r}")
 
 
 @pytest.mark.parametrize(("path", "body"), list(_edge_cases()))
