@@ -42,6 +42,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.tokenizer = None  # a copy for the event loop's thread: HF fast tokenizers are not safe to share
         self.max_model_len: int | None = None
+        self.kv_cache_blocks: tuple[int, int] | None = None  # (block size in tokens, number of blocks), once loaded
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -60,6 +61,7 @@ class AsyncEngine:
             await loaded
             self.tokenizer = copy.deepcopy(self.core.tokenizer)
             self.max_model_len = self.core.max_model_len
+            self.kv_cache_blocks = (self.core.allocator.block_size, self.core.allocator.num_blocks)
         except Exception as exc:  # a bad model path must not kill the server: /health reports it
             self._state, self._error = "dead", f"model loading failed: {exc}"
             raise

@@ -45,9 +45,10 @@ def served_model_name(config: AppConfig) -> str:
     return path.stem if is_gguf(path) else path.name
 
 
-async def _load(engine: AsyncEngine) -> None:
+async def _load(engine: AsyncEngine, metrics: Metrics) -> None:
     try:
         await engine.start()
+        metrics.set_cache_config(*engine.kv_cache_blocks)
         log.info("engine ready")
     except Exception as exc:  # reported by /health (503) rather than crashing the server
         log.error("engine failed to start: %s", exc)
@@ -64,7 +65,7 @@ def create_app(config: AppConfig) -> FastAPI:
         # we drain streams ourselves on SIGTERM (up to --shutdown-timeout) instead of sse-starlette ending them
         AppStatus.disable_automatic_graceful_drain()
         app.state.loop = asyncio.get_running_loop()
-        loading = asyncio.create_task(_load(engine))
+        loading = asyncio.create_task(_load(engine, metrics))
         yield
         loading.cancel()
         await engine.shutdown()

@@ -72,6 +72,11 @@ class Metrics:
         self.waiting = Gauge("specserve_num_requests_waiting", "Requests waiting for admission", mod, registry=r)
         self.kv_usage = Gauge("specserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", mod,
                               registry=r)
+        # an info gauge (value 1) in the Gateway API Inference Extension's model-server protocol shape: its endpoint
+        # picker reads the block size and block count from these label names (vLLM's, GPU or not) to size its
+        # approximate prefix-cache index; set once the engine has sized its KV pool
+        self.cache_config = Gauge("specserve_cache_config_info", "KV cache configuration (labels; value 1)",
+                                  mod + ["block_size", "num_gpu_blocks"], registry=r)
         self.prefix_queries = Counter("specserve_prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache (each request once)", mod,
                                       registry=r)
@@ -85,6 +90,9 @@ class Metrics:
             metric.labels(model)
         self._window: deque[tuple[float, int, int]] = deque()  # (time, drafted, accepted) per speculative step
         self._last_token_time: dict[str, float] = {}  # engine thread only
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        self.cache_config.labels(self.model, str(block_size), str(num_blocks)).set(1)
 
     def on_step(self, s: StepStats, outputs: list[RequestOutput]) -> None:
         """Called on the engine thread after each step (and after aborts)."""

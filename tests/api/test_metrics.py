@@ -3,6 +3,7 @@ Prometheus scraping a real server (Debian's package, fetched by tools/install-pr
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ METRICS = [
     "specserve_request_queue_time_seconds_bucket", "specserve_prompt_tokens_total",
     "specserve_generation_tokens_total", "specserve_request_success_total", "specserve_request_failure_total",
     "specserve_kv_cache_usage_ratio", "specserve_num_requests_running", "specserve_num_requests_waiting",
-    "specserve_prefix_cache_queries_total", "specserve_prefix_cache_hits_total",
+    "specserve_prefix_cache_queries_total", "specserve_prefix_cache_hits_total", "specserve_cache_config_info",
 ]
 
 
@@ -53,6 +54,11 @@ def test_all_metrics_after_traffic_and_promtool(client):
     accepted = sum(_values(text, "specserve_spec_decode_num_accepted_tokens_total"))
     assert drafted > 0 and 0 <= sum(_values(text, "specserve_spec_decode_acceptance_rate")) <= 1
     assert sum(_values(text, "specserve_spec_decode_num_accepted_tokens_per_pos_total")) == accepted
+    # the inference gateway's endpoint picker reads the KV geometry from these labels (value 1)
+    (info,) = [line for line in text.splitlines() if line.startswith("specserve_cache_config_info{")]
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info))
+    assert (int(labels["block_size"]), int(labels["num_gpu_blocks"])) == client.app.state.engine.kv_cache_blocks
+    assert int(labels["num_gpu_blocks"]) > 0 and info.endswith(" 1.0")
     proc = subprocess.run([str(_need("promtool")), "check", "metrics"], input=text, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
