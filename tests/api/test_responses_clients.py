@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import typing
 from pathlib import Path
 
@@ -138,3 +139,17 @@ def test_codex_shaped_request_streams_to_completion(server):
     body["stream"] = False
     again = httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": "Bearer k"}, timeout=120)
     assert again.status_code == 200, again.text
+
+
+def test_disconnect_mid_stream_aborts(server):
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers={"Authorization": "Bearer k"},
+                      timeout=30) as r:
+        for line in r.iter_lines():
+            if line == "event: response.output_text.delta":
+                break  # hang up after the first token
+    deadline = time.monotonic() + 10
+    while server.metric("specserve_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the response kept generating after the client hung up"
+        time.sleep(0.05)
+    assert server.metric('specserve_request_failure_total{model="tiny",reason="abort"}') >= 1
