@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", help="path of a llama-server binary")
     ap.add_argument("--llama-draft", help="a GGUF draft for llama-server (same vocabulary as the target)")
     ap.add_argument("--only", help="comma-separated peer names to run (default: all available)")
+    ap.add_argument("--with-compile", action="store_true", help="also the --enable-torch-compile rows")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="write a PNG of tokens/s and p50 inter-token latency against concurrency")
     args = ap.parse_args(argv)
@@ -212,11 +213,22 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://{HOST}:{port}"
     cmds = peer_commands(args, hf_dir, port)
-    only = set(args.only.split(",")) if args.only else set(cmds)
-    peers = [run_peer(n, c, url, args, str(hf_dir)) for n, c in cmds.items() if n in only]
+    # the compiled rows only on request: in a server, batch compositions the warm-up did not see compile again on the
+    # engine thread for minutes, which a throughput row would measure (docs/benchmarks.md, "torch.compile")
+    default = {n for n in cmds if not n.endswith("-compile") or args.with_compile}
+    only = set(args.only.split(",")) if args.only else default
     report = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "target_dir": str(hf_dir),
-              "peers": peers, "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                                          "cpus": os.cpu_count()}}
+              "peers": [], "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                       "cpus": os.cpu_count()}}
+    for name, cmd in cmds.items():
+        if name not in only:
+            continue
+        try:
+            report["peers"].append(run_peer(name, cmd, url, args, str(hf_dir)))
+        except Exception as exc:  # one peer failing (a crash, a refused connection) must not lose the others' rows
+            report["peers"].append({"peer": name, "error": f"{type(exc).__name__}: {exc}"})
+        if args.out:  # partial results survive an interrupted run
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     emit(report, args.out, table(report))
     if args.plot:
         plot(report, args.plot)
