@@ -177,13 +177,14 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for p in report["peers"]:
-        if "error" in p:
-            continue
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.get_cmap("tab20").colors  # more peers than tab10 has colours; other servers dashed
+    for i, p in enumerate(x for x in report["peers"] if "error" not in x):
         cs = [r["concurrency"] for r in p["rows"]]
-        a.plot(cs, [r["tokens_per_s"] for r in p["rows"]], marker="o", label=p["peer"])
-        b.plot(cs, [(r["itl_s"]["p50"] or 0) * 1e3 for r in p["rows"]], marker="o", label=p["peer"])
+        style = {"marker": "o", "label": p["peer"], "color": colors[(2 * i) % 20 + (2 * i) // 20],
+                 "linestyle": "-" if p["peer"].startswith("specserve") else "--"}
+        a.plot(cs, [r["tokens_per_s"] for r in p["rows"]], **style)
+        b.plot(cs, [(r["itl_s"]["p50"] or 0) * 1e3 for r in p["rows"]], **style)
     for ax, label in ((a, "tokens/s (all streams)"), (b, "p50 inter-token latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
@@ -207,7 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-compile", action="store_true", help="also the --enable-torch-compile rows")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="write a PNG of tokens/s and p50 inter-token latency against concurrency")
+    ap.add_argument("--from-json", help="print the table (and --plot) of an earlier run's JSON instead of running")
     args = ap.parse_args(argv)
+    if args.from_json:
+        report = json.loads(Path(args.from_json).read_text())
+        print(table(report))
+        if args.plot:
+            plot(report, args.plot)
+        return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     hf_dir = hf_copy_of_demo_target(args.dtype)
     port = free_port()
