@@ -1,15 +1,18 @@
-"""`--compile`: the target's forward through torch.compile (TorchInductor), opt-in.
+"""`--enable-torch-compile`: the target's forward through torch.compile (TorchInductor), opt-in.
 
 On the 2-core CPU the decode step of a small model is mostly Python and operator dispatch around small matmuls
-(thousands of ops a step: norms, rotary, casts, views); Inductor fuses them into generated C++ kernels. The paged
-attention (engine/model/attention.py) stays eager: Dynamo breaks the graph around it, so a forward runs as one
-compiled piece per stretch between attentions.
+(thousands of ops a step: norms, rotary, casts, views); Inductor fuses them into generated C++ kernels. Dynamo
+traces the paged attention (engine/model/attention.py) too, so a forward is one graph. Tried and dropped: the
+attention kept out of the graph (torch._dynamo.disable) removes the recompiles below, but the graph breaks around
+every layer's attention cost what the fusion saved (no faster than eager at one stream, slower at sixteen).
 
 Costs, said where a user meets them:
 - Inductor builds C++ with the machine's compiler (g++/clang++; `CXX` names another). Without one the engine logs a
   warning and runs eager — the same outputs, the eager speed.
-- Compiling happens on the first forward of each new shape class (batch 1 vs several, a new block-table width,
-  a prefill chunk): tens of seconds to minutes on 2 cores, on the engine thread, so those requests wait. Inductor
+- Compiling happens on the first forward of each new shape class: Dynamo specializes every size 1 of the step's
+  metadata (sequences per query group, query width, block-table width) and the number of query groups (decodes
+  only, prefills only, both), so new mixes of prefills and decodes compile again: tens of seconds to minutes on
+  2 cores, on the engine thread, so those requests wait. Inductor
   keeps what it built on disk (`TORCHINDUCTOR_CACHE_DIR`, default /tmp/torchinductor_$USER): a restart on the same
   machine compiles again from that cache in a fraction of the time.
 - Outputs are those of the compiled kernels: fused float arithmetic rounds differently from eager, so a compiled
