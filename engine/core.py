@@ -104,6 +104,7 @@ class EngineCore:
         for p in proposers.values():
             p.bind_kv(num_blocks, config.block_size)
         self.compiled = config.enable_torch_compile and compile_model(target, self.device)
+        self.target.stable_shapes = self.compiled
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len,
                                    {n: p.needs.prefix_kv for n, p in self.router.kv_proposers.items()})
@@ -126,15 +127,15 @@ class EngineCore:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """With a compiled target: compile before serving the shape classes a step meets (a prefill, one sequence
-        decoding, several decoding and verifying together), so that no request waits on the compiler for them;
-        then forget the warm-up's counts."""
+        """With a compiled target: compile before serving the shape classes a step meets, so that no request waits
+        on the compiler for them; then forget the warm-up's counts. The metadata's shapes are stable
+        (ModelRunner.stable_shapes), so the classes are one vs several input tokens and logits rows: a lone prefill
+        (one logits row), one sequence decoding (one token), several prefilling and decoding together."""
         t0, graphs = time.perf_counter(), compilations()
         bs = self.config.block_size
         ids = self.tokenizer.encode("Warm up the compiled forward with a few words of prompt and some more.")
         ids = (ids * (4 * bs // max(len(ids), 1) + 1))[: 4 * bs]  # any valid ids, 4 blocks of them
-        # one sequence whose prompt fits a block and whose output crosses into the next (block tables 1 and 2
-        # wide: Dynamo specializes sizes 1), then three of different lengths together
+        # one sequence (prefill, then decoding), then three of different lengths together
         for lengths in ([bs // 2], [bs + 3, 2 * bs + 5, 4 * bs - 1]):
             params = SamplingParams(max_tokens=bs, temperature=0.0, ignore_eos=True)
             for i, n in enumerate(lengths):

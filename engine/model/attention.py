@@ -60,6 +60,7 @@ class QueryGroup:
     output_index: torch.Tensor  # [Tg] their rows in the group's flattened [B * Qmax] output
     max_context: int  # longest start + num_new
     tree_mask: torch.Tensor | None = None  # [B, Qmax, Qmax] which new tokens each new token sees; None: causal
+    key_range: torch.Tensor | None = None  # [max_context] 0, 1, ...: the causal key span as a size, not an int
     views: dict = field(default_factory=dict, compare=False)  # pattern -> KeyView, built once per forward
 
     def key_view(self, pattern: tuple[str, int] | None) -> KeyView:
@@ -75,16 +76,19 @@ class QueryGroup:
 
     def _build_view(self, kind: str, size: int) -> KeyView:
         q_max = self.query_pos.shape[1]
-        if kind == "causal":
-            first, length = torch.zeros_like(self.starts), self.max_context
+        if kind == "causal":  # keys 0 .. max_context - 1 (key_range: a size Dynamo keeps symbolic, unlike an int)
+            span = self.key_range if self.key_range is not None else torch.arange(self.max_context,
+                                                                                  device=self.starts.device)
+            key_pos = span[None, :].expand(self.starts.shape[0], -1)  # [B, L]
         elif kind == "window":  # keys (p - size, p] of the query at position p
             first, length = (self.starts - size + 1).clamp(min=0), min(self.max_context, q_max + size - 1)
+            key_pos = first[:, None] + torch.arange(length, device=first.device)  # [B, L]
         elif kind == "chunk":  # keys of p's chunk [p // size * size, p]
             first, length = self.starts // size * size, min(self.max_context, q_max + size - 1)
+            key_pos = first[:, None] + torch.arange(length, device=first.device)  # [B, L]
         else:
             raise ValueError(f"unknown attention pattern {kind!r}")
         bs = self.kv.block_size
-        key_pos = first[:, None] + torch.arange(length, device=first.device)  # [B, L]
         q_pos = self.query_pos[:, :, None]  # [B, Qmax, 1]
         mask = key_pos[:, None, :] <= q_pos  # [B, Qmax, L] causal (so never past the sequence's length)
         if kind == "window":
@@ -120,6 +124,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [T] flat pool slot (block * block_size + offset) of each new token
     num_tokens: int  # T
     groups: tuple[QueryGroup, ...]
+    spare_row: bool = False  # the output has a row T that padding writes to (a compiled forward's stable shapes)
     layers_seen: set = field(default_factory=set, compare=False)  # each layer writes its K/V once per forward
 
 
@@ -127,11 +132,18 @@ SHORT_QUERY = 16  # sequences with at most this many new tokens form the short g
 
 
 def _group(kv: KVPool, tables: torch.Tensor, num_new: torch.Tensor, starts: torch.Tensor, first_token: torch.Tensor,
-           members: torch.Tensor, trees: dict, device: torch.device) -> QueryGroup:
-    """The QueryGroup of sequences `members` (indices into the forward's chunks); `trees`: chunk -> [n, n] mask."""
+           members: torch.Tensor, trees: dict, device: torch.device, stable: bool = False,
+           scratch: int = 0, min_q: int = 2) -> QueryGroup:
+    """The QueryGroup of sequences `members` (indices into the forward's chunks); `trees`: chunk -> [n, n] mask.
+
+    `stable` (a compiled forward): no size of the group is 1 — a lone sequence is repeated, the query width and
+    the block-table width are at least 2, and at least 2 output rows, the extra ones written to row `scratch`
+    (the forward's spare output row) — so that Dynamo, which specializes sizes of 1, sees one shape class."""
+    if stable and len(members) == 1:
+        members = members.repeat(2)  # the copy: padding queries only (real[1] below), its outputs gathered by nothing
     tree_mask = None
     if any(int(b) in trees for b in members):
-        q = int(num_new[members].max())
+        q = max(int(num_new[members].max()), min_q if stable else 1)
         tree_mask = torch.tril(torch.ones(len(members), q, q, dtype=torch.bool))  # causal members stay causal
         for i, b in enumerate(members.tolist()):
             if b in trees:
@@ -141,25 +153,50 @@ def _group(kv: KVPool, tables: torch.Tensor, num_new: torch.Tensor, starts: torc
                 tree_mask[i, n:, 0] = True  # padding query slots see the first new token, as they do causally
         tree_mask = tree_mask.to(device)
     num_new, starts, first = num_new[members], starts[members], first_token[members]
-    batch, q_max = len(members), int(num_new.max())
+    batch, q_max = len(members), max(int(num_new.max()), min_q if stable else 1)
     ctx_max = int((starts + num_new).max())
     j = torch.arange(q_max)[None, :]  # [1, Qmax]
     real = j < num_new[:, None]  # [B, Qmax]
+    if stable and len(members) == 2 and bool(members[0] == members[1]):
+        real[1] = False  # the repeated lone sequence
     query_index = torch.where(real, first[:, None] + j, first[:, None])
     q_pos = torch.where(real, starts[:, None] + j, starts[:, None])  # padding rows see a real prefix: no NaN
     flat = torch.arange(batch * q_max).view(batch, q_max)
-    return QueryGroup(kv=kv, block_tables=tables[members, : -(-ctx_max // kv.block_size)].to(device),
+    token_index, output_index = query_index[real], flat[real]
+    if stable and len(token_index) < 2:  # one real row: a second one computes it again into the scratch row
+        token_index = torch.cat([token_index, torch.tensor([scratch] * (2 - len(token_index)))])
+        output_index = torch.cat([output_index, output_index[:1].expand(2 - len(output_index))])
+    width = max(-(-ctx_max // kv.block_size), 2 if stable else 1)
+    return QueryGroup(kv=kv, block_tables=tables[members, :width].to(device),
                       starts=starts.to(device), query_index=query_index.to(device), query_pos=q_pos.to(device),
-                      token_index=query_index[real].to(device), output_index=flat[real].to(device),
-                      max_context=ctx_max, tree_mask=tree_mask)
+                      token_index=token_index.to(device), output_index=output_index.to(device),
+                      max_context=ctx_max, tree_mask=tree_mask,
+                      key_range=torch.arange(ctx_max, device=device) if stable else None)
 
 
-def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata for one ragged forward, plus position ids [T]. Host work is O(B + T) index arithmetic."""
+def _stand_in(kv: KVPool, tables: torch.Tensor, scratch: int, min_q: int, device: torch.device) -> QueryGroup:
+    """A query group with nothing to compute, for a compiled forward's stable shapes: two rows of `min_q` queries
+    of the forward's first token at positions 0 and 1 of the first sequence's blocks (keys this forward or an earlier
+    one wrote), every output row sent to the spare row `scratch`."""
+    j = torch.arange(min_q)[None, :].expand(2, min_q)
+    q_pos = (j < 2) * j  # [[0, 1, 0, ...], [0, 1, 0, ...]]: padding slots repeat position 0
+    return QueryGroup(kv=kv, block_tables=tables[[0, 0], :2].to(device), starts=torch.zeros(2, dtype=torch.long,
+                      device=device), query_index=torch.zeros(2, min_q, dtype=torch.long, device=device),
+                      query_pos=q_pos.to(device), token_index=torch.full((2,), scratch, device=device),
+                      output_index=torch.tensor([0, 1], device=device), max_context=2,
+                      key_range=torch.arange(2, device=device))
+
+
+def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device,
+                   stable: bool = False) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata for one ragged forward, plus position ids [T]. Host work is O(B + T) index arithmetic.
+
+    `stable` (a compiled forward): shapes Dynamo need not specialize — both query groups always present (an absent
+    one is a _stand_in whose outputs go to a spare row T), and no group size of 1 (_group)."""
     bs = kv.block_size
     num_new = torch.tensor([c.num_new for c in chunks])
     starts = torch.tensor([c.start for c in chunks])
-    nb = -(-int((starts + num_new).max()) // bs)
+    nb = max(-(-int((starts + num_new).max()) // bs), 2 if stable else 1)
     rows = []
     for b, c in enumerate(chunks):
         if len(c.block_table) * bs < c.start + c.num_new:
@@ -179,10 +216,17 @@ def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device) -> 
             first = int(first_token[b])
             positions[first:first + c.num_new] = c.start + depths(anc[None])[0]
     short = num_new <= SHORT_QUERY
-    groups = tuple(_group(kv, tables, num_new, starts, first_token, members, trees, device)
-                   for members in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]) if len(members))
+    num_tokens = int(num_new.sum())
+    if stable:  # both groups, always (an empty one: a stand-in); the long one's width past SHORT_QUERY either way
+        groups = tuple(_group(kv, tables, num_new, starts, first_token, m, trees, device, stable=True,
+                              scratch=num_tokens, min_q=min_q) if len(m) else
+                       _stand_in(kv, tables, num_tokens, min_q, device)
+                       for m, min_q in ((short.nonzero()[:, 0], 2), ((~short).nonzero()[:, 0], SHORT_QUERY + 1)))
+    else:
+        groups = tuple(_group(kv, tables, num_new, starts, first_token, members, trees, device)
+                       for members in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]) if len(members))
     md = AttentionMetadata(kv=kv, write_slots=(tables[seq_of_token, slot_pos // bs] * bs + slot_pos % bs).to(device),
-                           num_tokens=int(num_new.sum()), groups=groups)
+                           num_tokens=num_tokens, groups=groups, spare_row=stable)
     return md, positions.to(device)
 
 
@@ -229,11 +273,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_rows.index_copy_(0, md.write_slots, value[0].transpose(0, 1).reshape(-1, row).to(v_rows.dtype))
     q_tokens = query[0].transpose(0, 1)  # [T, H, D]
     heads = q_tokens.shape[1]
-    out = q_tokens.new_empty(md.num_tokens, heads, head_dim)
+    out = q_tokens.new_empty(md.num_tokens + md.spare_row, heads, head_dim)
     for group in md.groups:
         out[group.token_index] = _group_attention(group, pattern, q_tokens, k_rows, v_rows, kv_heads, head_dim,
                                                   scaling, softcap, s_aux)
-    return out[None], None
+    return (out[: md.num_tokens] if md.spare_row else out)[None], None
 
 
 def _group_attention(group: QueryGroup, pattern, q_tokens, k_rows, v_rows, kv_heads: int, head_dim: int, scaling,

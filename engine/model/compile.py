@@ -3,16 +3,18 @@
 On the 2-core CPU the decode step of a small model is mostly Python and operator dispatch around small matmuls
 (thousands of ops a step: norms, rotary, casts, views); Inductor fuses them into generated C++ kernels. Dynamo
 traces the paged attention (engine/model/attention.py) too, so a forward is one graph. Tried and dropped: the
-attention kept out of the graph (torch._dynamo.disable) removes the recompiles below, but the graph breaks around
-every layer's attention cost what the fusion saved (no faster than eager at one stream, slower at sixteen).
+attention kept out of the graph (torch._dynamo.disable) avoids recompiles too, but the graph breaks around every
+layer's attention cost what the fusion saved (no faster than eager at one stream, slower at sixteen).
 
 Costs, said where a user meets them:
 - Inductor builds C++ with the machine's compiler (g++/clang++; `CXX` names another). Without one the engine logs a
   warning and runs eager — the same outputs, the eager speed.
-- Compiling happens on the first forward of each new shape class: Dynamo specializes every size 1 of the step's
-  metadata (sequences per query group, query width, block-table width) and the number of query groups (decodes
-  only, prefills only, both), so new mixes of prefills and decodes compile again: tens of seconds to minutes on
-  2 cores, on the engine thread, so those requests wait. Inductor
+- Compiling happens on the first forward of each new shape class, on the engine thread (tens of seconds to minutes
+  on 2 cores; those requests wait). Dynamo specializes every size of 1 and the number of query groups, which a
+  ragged batch's metadata is full of (a lone sequence in a group, one query, one block); so a compiled runner builds
+  its metadata with stable shapes (engine/model/attention.py: both query groups always present, no size 1, stand-in
+  rows writing to a spare output row), and the classes left are one vs several input tokens and logits rows, and
+  token trees: the warm-up (EngineCore._warm_up) meets all but trees before the first request. Inductor
   keeps what it built on disk (`TORCHINDUCTOR_CACHE_DIR`, default /tmp/torchinductor_$USER): a restart on the same
   machine compiles again from that cache in a fraction of the time.
 - Outputs are those of the compiled kernels: fused float arithmetic rounds differently from eager, so a compiled
@@ -50,7 +52,11 @@ def compile_model(model: torch.nn.Module, device: torch.device) -> bool:
         return False
     import torch._dynamo.config as dynamo_config
 
+    import torch.fx.experimental._config as fx_config
+
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    # sizes that happen to be equal when a graph is traced (a batch of 2 with 2 blocks) are not assumed equal later
+    fx_config.use_duck_shape = False
     model.compile(dynamic=True)
     return True
 

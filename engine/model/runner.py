@@ -19,6 +19,7 @@ class ModelRunner:
         self.vocab_size = vocab_size  # logits are cut or padded to this width (the target's vocabulary)
         self.vocab_map = vocab_map  # a draft over a sub-vocabulary: ids in, logits out go through it
         self.taps = LayerTaps(model, hidden_layers) if hidden_layers else None
+        self.stable_shapes = False  # a compiled model: metadata padded so that Dynamo meets one shape class
 
     def forward(self, input_ids: torch.Tensor, chunks: list[SeqChunk], logits_index: torch.Tensor) -> torch.Tensor:
         """input_ids [T] (chunks' tokens concatenated), logits_index [N] token rows wanted -> logits [N, V] fp32."""
@@ -30,7 +31,7 @@ class ModelRunner:
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """forward(), plus with `capture` the tapped layers' hidden states {layer: [R, H]} at token rows
         `hidden_rows` [R] (None: every token)."""
-        md, positions = build_metadata(self.kv, chunks, self.device)
+        md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes)
         input_ids = input_ids.to(self.device)
         if self.vocab_map is not None:
             input_ids = self.vocab_map.to_draft_ids(input_ids)

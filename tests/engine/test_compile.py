@@ -49,6 +49,13 @@ def test_a_compiled_engine_warms_up_before_serving_and_forgets_it(tiny):
     before = compile_mod.compilations()
     run(core, PROMPTS[:1], GREEDY)
     assert compile_mod.compilations() == before  # one stream decoding: a shape the warm-up compiled
+    # every other batch composition too (the metadata is padded so that no size is 1 and both query groups are
+    # there): several prompts at once, and prompts arriving while others decode
+    long = [p * 6 for p in PROMPTS[:4]]  # prefill chunks beyond the short query group
+    for prompts, join in ((PROMPTS[:2], None), (PROMPTS[2:5] + long[:1], None), (long[1:3] + PROMPTS[5:7], 3),
+                          (PROMPTS[7:], 2), (long[3:], None)):
+        run(core, prompts, GREEDY, join_after=join)
+    assert compile_mod.compilations() == before
 
 
 def test_without_a_cxx_compiler_the_engine_runs_eager(tiny, monkeypatch, caplog):

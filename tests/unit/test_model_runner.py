@@ -28,6 +28,13 @@ def attention(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=[False, True], ids=["plain", "stable"])
+def stable(request):
+    """A compiled engine's metadata (build_metadata(stable=True): no size 1, both query groups always present,
+    stand-in rows writing to a spare output row) must give the same logits."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("runner")
@@ -73,7 +80,7 @@ def _step(runner, seqs, chunks, rows=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_chunked_ragged_forward_and_rollback_match_hf(models, arch, attention):
+def test_chunked_ragged_forward_and_rollback_match_hf(models, arch, attention, stable):
     path, vocab = models[arch], models["vocab"]
     model = load_model(path, torch.float32, CPU)
     if arch == "llama":
@@ -87,6 +94,7 @@ def test_chunked_ragged_forward_and_rollback_match_hf(models, arch, attention):
     assert tables == [[0, 3], [7, 6, 4, 1], [2, 5]]
     kv = KVPool.allocate(model.config, alloc.num_blocks, BLOCK, torch.float32, CPU)
     runner = ModelRunner(model, kv, CPU, vocab)
+    runner.stable_shapes = stable
     refs = [_reference(path, s) for s in seqs]
 
     # step 1: partial prefill of every sequence
@@ -134,7 +142,7 @@ def test_logits_are_cut_or_padded_to_the_target_vocabulary(models):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch, attention):
+def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch, attention, stable):
     """Short chunks (decode) and long ones (prefill) attend in separate query groups; the outputs must come back
     in the forward's token order, whatever order the chunks arrive in."""
     from specserve.engine.model.attention import SHORT_QUERY, build_metadata
@@ -146,6 +154,7 @@ def test_decode_rows_and_a_long_prefill_in_one_forward_match_hf(models, arch, at
     tables = _interleaved_tables(alloc, [alloc.blocks_for(len(s)) for s in seqs])
     kv = KVPool.allocate(model.config, alloc.num_blocks, BLOCK, torch.float32, CPU)
     runner = ModelRunner(model, kv, CPU, vocab)
+    runner.stable_shapes = stable
     # seqs 0 and 2 prefill all but their last token first; then one forward: decode, long prefill, decode, prefill
     _step(runner, [seqs[0], seqs[2]], [SeqChunk(tables[0], 0, 5), SeqChunk(tables[2], 0, 3)])
     chunks = [SeqChunk(tables[0], 5, 1), SeqChunk(tables[1], 0, len(seqs[1])), SeqChunk(tables[2], 3, 1),

@@ -40,8 +40,9 @@ def test_check_tree_refuses_bad_parents_and_duplicate_siblings():
         check_tree([0, 0], [7, 7])
 
 
+@pytest.mark.parametrize("stable", [False, True], ids=["plain", "stable"])  # a compiled engine's padded metadata
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_tree_forward_equals_each_path_alone(models, arch):  # noqa: F811
+def test_tree_forward_equals_each_path_alone(models, arch, stable):  # noqa: F811
     """One forward over a context + a 7-node tree (and a causal neighbour in the same batch) gives, at every node,
     the logits of its root-to-node path run as a plain sequence."""
     vocab = models["vocab"]
@@ -53,6 +54,7 @@ def test_tree_forward_equals_each_path_alone(models, arch):  # noqa: F811
     alloc = BlockAllocator(num_blocks=16, block_size=4)
     tables = [alloc.allocate(5), alloc.allocate(3)]
     runner = ModelRunner(model, KVPool.allocate(model.config, alloc.num_blocks, 4, torch.float32, CPU), CPU, vocab)
+    runner.stable_shapes = stable
     runner.forward(torch.tensor(context[:-1] + other[:-1]), [SeqChunk(tables[0], 0, 8), SeqChunk(tables[1], 0, 5)],
                    torch.tensor([0]))
     # the root is the context's last token; the tree's nodes follow it in slots 9.., at positions 8 + depth
