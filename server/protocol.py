@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from specserve.engine.sample.grammar import GrammarSpec
 from specserve.engine.sampling_params import SamplingParams
-from specserve.server.schema_base import RequestModel, StrictModel, UnsupportedFieldError
+from specserve.server.schema_base import RequestModel, StrictModel, UnsupportedFieldError, metadata_limits
 from specserve.server.tool_schemas import NamedToolChoice, ToolCallIn, ToolDef, response_format_spec
 
 MAX_STOP_CHARS = 512
@@ -197,9 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("metadata")
     @classmethod
     def _metadata_limits(cls, v):
-        if v and any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
-            raise ValueError("metadata keys are at most 64 characters and values at most 512")
-        return v
+        return metadata_limits(v)
 
     @model_validator(mode="after")
     def _chat_unsupported(self):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from specserve.server.protocol import ChatCompletionRequest
-from specserve.server.schema_base import RequestModel, StrictModel, UnsupportedFieldError
+from specserve.server.schema_base import RequestModel, StrictModel, UnsupportedFieldError, metadata_limits
 
 MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -126,9 +126,7 @@ class ResponsesRequest(RequestModel):
     @field_validator("metadata")
     @classmethod
     def _metadata_limits(cls, v):
-        if v and any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
-            raise ValueError("metadata keys are at most 64 characters and values at most 512")
-        return v
+        return metadata_limits(v)
 
     @model_validator(mode="after")
     def _checks(self):

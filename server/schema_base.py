@@ -42,3 +42,10 @@ class UnsupportedFieldError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+def metadata_limits(metadata: dict | None) -> dict | None:
+    """OpenAI's limits on `metadata` (chat and responses): keys at most 64 characters, values at most 512."""
+    if metadata and any(len(k) > 64 or len(x) > 512 for k, x in metadata.items()):
+        raise ValueError("metadata keys are at most 64 characters and values at most 512")
+    return metadata
