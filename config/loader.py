@@ -78,6 +78,10 @@ HELP: dict[str, tuple[str, str | None]] = {
                                     "previous_response_id and GET/DELETE /v1/responses/{id}: at most this many, "
                                     "oldest evicted first (0: none kept); a restart forgets them", None),
     "responses_store_max_age": ("seconds a stored response is kept; then its id is a 404", None),
+    "tensor_parallel_size": ("split the target over this many ranks (tensor parallelism: attention heads and MLP "
+                             "features, one process per rank, torch.distributed with NCCL on CUDA, gloo on CPU); rank "
+                             "r runs on cuda:r; the models the engine splits are those with a transformers "
+                             "tensor-parallel plan (Llama, Mistral, Qwen2/3, Gemma 3, ...)", None),
     "kv_cache_memory": ("bytes for the target + draft KV caches; accepts sizes like 512MiB, 4GiB, 2GB, 1.5G",
                         "min(4 GiB, RAM/4) on CPU"),
     "max_num_seqs": ("most sequences running in one step", None),

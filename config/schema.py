@@ -135,6 +135,7 @@ class EngineConfig:
     quantization_dense_rows: int = 0  # > 0: forwards of at least this many rows run a dense copy of quantized layers
     enable_torch_compile: bool = False  # the target's forward through torch.compile (engine/model/compile.py)
     device: str = "auto"  # auto = cuda when present
+    tensor_parallel_size: int = 1  # > 1: the target split over this many ranks (engine/parallel/), rank r on cuda:r
     kv_cache_memory: int | None = None  # bytes for target + draft KV; None: min(4 GiB, RAM / 4) on CPU
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -160,6 +161,11 @@ class EngineConfig:
             (self.prompt_lookup_branches >= 1, "prompt_lookup_branches", "must be >= 1"),
             (self.speculative_eagle_topk >= 1, "speculative_eagle_topk", "must be >= 1"),
             (self.quantization_dense_rows >= 0, "quantization_dense_rows", "must be >= 0 (0: packed kernels only)"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1"),
+            (self.tensor_parallel_size == 1 or not self.enable_torch_compile, "tensor_parallel_size",
+             "enable_torch_compile is not supported with tensor parallelism (the all-reduces run in forward hooks)"),
+            (self.tensor_parallel_size == 1 or self.device in ("auto", "cpu", "cuda"), "tensor_parallel_size",
+             "with tensor parallelism, device must be auto, cpu or cuda (rank r runs on cuda:r)"),
         ]
         for ok, name, msg in checks:
             if not ok:

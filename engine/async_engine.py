@@ -72,6 +72,8 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self.core is not None:
+            self.core.close()
         if self._state == "ready":
             self._state = "stopped"
         self._fail_all(EngineDeadError("the engine has stopped"))

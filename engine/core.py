@@ -36,6 +36,7 @@ from specserve.engine.model.loader import (
     resolve_quantization,
 )
 from specserve.engine.model.runner import ModelRunner
+from specserve.engine.parallel.target import ShardedTarget
 from specserve.engine.request import Request, RequestOutput, TokenLogprob
 from specserve.engine.sample.grammar import advance_grammar, apply_bitmask, biased, grammar_compiler, verify_bitmasks
 from specserve.engine.sample.verifier import verify
@@ -58,6 +59,15 @@ log = logging.getLogger("specserve.engine")
 class EngineCore:
     def __init__(self, config: EngineConfig, cost_source: CostSource | None = None):
         """`cost_source`: where adaptive k's costs come from (None: the engine's own timings; tests inject a model)."""
+        self.sharded: ShardedTarget | None = None  # tensor_parallel_size > 1: the workers holding the other slices
+        try:
+            self._build(config, cost_source)
+        except BaseException:
+            if self.sharded is not None:
+                self.sharded.abort()
+            raise
+
+    def _build(self, config: EngineConfig, cost_source: CostSource | None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -71,8 +81,14 @@ class EngineCore:
         self.quantization = resolve_quantization(config.quantization, target_path, self.device, self.dtype)
         if config.quantization == "auto" and self.quantization is not None:
             log.info("quantization auto: %s keeps its 4-bit weights (%s)", target_path, self.quantization)
+        if config.tensor_parallel_size > 1:  # the workers start loading their slices now, beside rank 0
+            self.sharded = ShardedTarget(config, target_path, self.dtype, self.device, self.quantization)
         target = load_model(target_path, self.dtype, self.device, remote, quantization=self.quantization,
-                            dense_from_rows=config.quantization_dense_rows)
+                            dense_from_rows=config.quantization_dense_rows,
+                            shard=self.sharded.shard if self.sharded else None)
+        if self.sharded:
+            self.sharded.attach(target)
+        kv_heads = self.sharded.kv_heads(target.config) if self.sharded else [None]
         self.vocab_size = target.config.vocab_size
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
@@ -90,7 +106,7 @@ class EngineCore:
         limits = [config.max_model_len, target.config.max_position_embeddings,
                   *(p.max_model_len for p in proposers.values())]
         self.max_model_len = min(x for x in limits if x)
-        per_token = kv_bytes_per_token(target.config, self.dtype)
+        per_token = kv_bytes_per_token(target.config, self.dtype, max(kv_heads, key=lambda h: h or 0))
         per_token += sum(p.kv_bytes_per_token() for p in proposers.values())
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
         num_blocks = budget // (per_token * config.block_size)
@@ -99,8 +115,10 @@ class EngineCore:
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         hidden_layers = tuple(sorted({i for p in proposers.values() for i in p.needs.hidden_layers}))
         self.target = ModelRunner(target, KVPool.allocate(target.config, num_blocks, config.block_size, self.dtype,
-                                                          self.device), self.device, self.vocab_size,
+                                                          self.device, kv_heads[0]), self.device, self.vocab_size,
                                   hidden_layers=hidden_layers)
+        if self.sharded:
+            self.target = self.sharded.runner(self.target)
         for p in proposers.values():
             p.bind_kv(num_blocks, config.block_size)
         self.compiled = config.enable_torch_compile and compile_model(target, self.device)
@@ -144,6 +162,11 @@ class EngineCore:
                 self.step()
         self.totals, self.last_step = EngineTotals(), StepStats()
         log.info("compile: warmed up in %.1f s (%d graphs)", time.perf_counter() - t0, compilations() - graphs)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        if self.sharded is not None:
+            self.sharded.close()
 
     @staticmethod
     def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:

@@ -27,6 +27,16 @@ class LLM:
         self.engine = EngineCore(self.config)
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the object is unusable afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

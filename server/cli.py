@@ -32,6 +32,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="with --quantization: forwards of at least this many rows use a dense copy (0: never)")
     p.add_argument("--enable-torch-compile", action="store_true",
                    help="the target's forward through torch.compile (each new shape compiles on first use)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the target over this many ranks (processes; rank r on cuda:r, gloo on CPU)")
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV caches (default min(4 GiB, RAM/4) on CPU)")
     p.add_argument("--max-model-len", type=int, help="default: the model's max_position_embeddings")
     p.add_argument("--seed", type=int)
@@ -45,6 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
               num_speculative_tokens=args.num_speculative_tokens, max_speculative_tokens=args.max_speculative_tokens,
               dtype=args.dtype, device=args.device, quantization=args.quantization,
               quantization_dense_rows=args.quantization_dense_rows, enable_torch_compile=args.enable_torch_compile,
+              tensor_parallel_size=args.tensor_parallel_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, seed=args.seed,
               chat_template=args.chat_template, prompt_lookup_min=args.prompt_lookup_min,
               prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_branches=args.prompt_lookup_branches,

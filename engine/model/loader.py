@@ -105,10 +105,11 @@ def release_freed_memory() -> None:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               field: str = "model", quantization: str | None = None, dense_from_rows: int = 0):
+               field: str = "model", quantization: str | None = None, dense_from_rows: int = 0, shard=None):
     """`quantization` (int8 | int4): the decoder's linear layers become weight-only quantized ones
     (engine/model/quantize.py), quantized from fp32 weights; CPU only. `dense_from_rows` > 0: they also keep a
-    dense copy for forwards of at least that many rows."""
+    dense copy for forwards of at least that many rows. `shard(model)`: cuts a tensor-parallel rank's slice out of
+    the loaded weights, before quantization packs them and before they move to the device."""
     register_attention()
     if quantization is not None and device.type != "cpu":
         raise InvalidRequestError(f"quantization: {quantization} uses torch's CPU kernels; on {device.type} load "
@@ -130,6 +131,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
             f"{field} {path}: {type(model).__name__} does not route attention through transformers' "
             "AttentionInterface, which the engine's paged KV cache needs", field)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if shard is not None:
+        shard(model)
     if quantization is not None:
         quantize_linears(model, quantization, dtype, dense_from_rows=dense_from_rows)
         model = model.to(dtype)  # the rest (embeddings, norms, the head); int codes keep their dtype

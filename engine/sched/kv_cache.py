@@ -24,8 +24,10 @@ def kv_geometry(config) -> tuple[int, int, int]:
     return layers, kv_heads, head_dim
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    layers, kv_heads, head_dim = kv_geometry(config)
+def kv_bytes_per_token(config, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """`kv_heads`: a tensor-parallel rank's share (None: all the model's)."""
+    layers, all_heads, head_dim = kv_geometry(config)
+    kv_heads = kv_heads or all_heads
     return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -79,8 +81,11 @@ class KVPool:
             store.index_copy_(0, d, store.index_select(0, s))
 
     @staticmethod
-    def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
-        layers, kv_heads, head_dim = kv_geometry(config)
+    def allocate(config, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 kv_heads: int | None = None) -> "KVPool":
+        """`kv_heads`: a tensor-parallel rank's share of the heads (None: all of them)."""
+        layers, all_heads, head_dim = kv_geometry(config)
+        kv_heads = kv_heads or all_heads
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)  # + the null block
         mappings: list = []
         keys = [zeroed(shape, dtype, device, mappings) for _ in range(layers)]

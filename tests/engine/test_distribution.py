@@ -84,7 +84,10 @@ def _p_value(target_path, draft_path, kw, prompt=PROMPT, max_tokens=4, quantizat
     engine = engine or dict(draft=draft_path, k=2)
     core = make_core(target_path, max_num_seqs=2048, max_num_batched_tokens=8192, kv_cache_memory=1 << 26, seed=1,
                      quantization=quantization, **engine)
-    outs = run(core, [prompt] * N, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+    try:
+        outs = run(core, [prompt] * N, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+    finally:
+        core.close()  # tensor-parallel workers, if any
     seqs = np.array([o.output_token_ids[:3] for o in outs])  # t2, t3 come from one k = 2 chain
     assert sum(o.speculation.num_draft_tokens for o in outs) >= 2 * N  # the draft really proposed
     observed = np.bincount(seqs[:, 0] * V * V + seqs[:, 1] * V + seqs[:, 2], minlength=V ** 3).astype(float)

@@ -1,0 +1,89 @@
+"""Tensor parallelism on CPU: 2 ranks over gloo (a worker process beside this one), tiny models, fp32.
+
+Greedy output equals the one-device engine's for plain decoding, a draft model and EAGLE-3 (a feature-based method
+whose hidden states come from rank 0's whole residual stream), also int4-quantized (split before packing) and in a
+batch with late arrivals; sampled output keeps the target's law; start-up errors on a worker come back with the rank
+named, and refusals leave no worker behind. A killed rank is tested on a real server (tests/api/test_tp_server.py).
+The two ranks sum partial products in a different order than one device does, so the logits agree to fp32 rounding,
+not bit for bit; greedy identity on these prompts is what the tests hold the engine to."""
+
+import logging
+import multiprocessing
+
+import pytest
+import torch
+
+from specserve.engine.parallel.group import TensorParallelGroup, WorkerSpec
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.spec_decode.eagle3.model import save_drafter
+from tests.engine.helpers import make_core, run
+from tests.engine.test_distribution import CASES, _p_value
+from tests.engine.test_distribution import pair  # noqa: F401  (fixture)
+from tests.engine.test_eagle3 import random_drafter
+from tests.engine.test_greedy_exactness import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _outputs(model, tp: int, **kw) -> list[list[int]]:
+    core = make_core(model, tensor_parallel_size=tp, **kw)
+    try:
+        outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=6)
+        if kw.get("k"):
+            assert sum(o.speculation.num_draft_tokens for o in outs) > 0
+        return [o.output_token_ids for o in outs]
+    finally:
+        core.close()
+
+
+@pytest.fixture(scope="module")
+def eagle_drafter(tiny, tmp_path_factory):
+    return save_drafter(random_drafter(tiny["llama"], [1, 1, 1]), tmp_path_factory.mktemp("tp-eagle3") / "d")
+
+
+@pytest.mark.parametrize("method", ["plain", "draft", "eagle3"])
+def test_two_ranks_greedy_equal_one_device(tiny, eagle_drafter, method):
+    kw = {"plain": dict(k=0), "draft": dict(draft=tiny["llama_draft"], k=3),
+          "eagle3": dict(speculative_method="eagle3", draft=eagle_drafter, k=3)}[method]
+    assert _outputs(tiny["llama"], 2, **kw) == _outputs(tiny["llama"], 1, **kw)
+    assert not multiprocessing.active_children()  # close() stopped the worker
+
+
+def test_int4_target_splits_before_packing(tiny):
+    """int4 groups of 32 stay whole on each rank: the split quantized model is the one-device quantized model."""
+    kw = dict(k=0, quantization="int4")
+    assert _outputs(tiny["llama"], 2, **kw) == _outputs(tiny["llama"], 1, **kw)
+
+
+@pytest.mark.slow  # statistical law test
+def test_sampled_output_keeps_the_target_law_on_two_ranks(pair):  # noqa: F811
+    target, draft = pair
+    assert _p_value(target, None, CASES["temperature_1"], draft=draft, k=2, tensor_parallel_size=2) > 1e-3
+
+
+def test_a_model_without_a_plan_is_refused_and_no_worker_stays(tiny):
+    with pytest.raises(ValueError, match="tensor_parallel_size: GPT2LMHeadModel has no tensor-parallel plan"):
+        make_core(tiny["gpt2"], tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
+    assert not torch.distributed.is_initialized()
+
+
+def test_config_refusals_name_the_field():
+    from specserve.config.schema import EngineConfig
+
+    for kw in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=2, enable_torch_compile=True),
+               dict(tensor_parallel_size=2, device="cuda:1")):
+        with pytest.raises(ValueError, match="^tensor_parallel_size:"):
+            EngineConfig(**kw)
+
+
+def test_a_worker_start_up_error_reaches_rank_0_with_the_rank_named(tmp_path):
+    spec = WorkerSpec(str(tmp_path / "no-such-model"), torch.float32, "cpu", False, None, 0, world=2,
+                      log_level=logging.ERROR)
+    group = TensorParallelGroup(spec)
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 failed to start: .*no-such-model"):
+            group.wait_ready()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert not multiprocessing.active_children()
