@@ -16,11 +16,13 @@ import torch
 from specserve.engine.parallel.group import TensorParallelGroup, WorkerSpec
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.spec_decode.eagle3.model import save_drafter
-from tests.engine.helpers import make_core, run
+from tests.engine.helpers import drive, make_core, run
 from tests.engine.test_distribution import CASES, _p_value
 from tests.engine.test_distribution import pair  # noqa: F401  (fixture)
+from tests.engine.test_dflash import save_random
 from tests.engine.test_eagle3 import random_drafter
 from tests.engine.test_greedy_exactness import PROMPTS
+from tests.engine.test_medusa import TREE, random_heads
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -37,16 +39,43 @@ def _outputs(model, tp: int, **kw) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def eagle_drafter(tiny, tmp_path_factory):
-    return save_drafter(random_drafter(tiny["llama"], [1, 1, 1]), tmp_path_factory.mktemp("tp-eagle3") / "d")
+def methods(tiny, tmp_path_factory):
+    """Engine kwargs per method; the tree methods (medusa, ngram with branches) move accepted K/V on every rank."""
+    root = tmp_path_factory.mktemp("tp-methods")
+    return {"plain": dict(k=0), "draft": dict(draft=tiny["llama_draft"], k=3),
+            "eagle3": dict(speculative_method="eagle3", k=3,
+                           draft=save_drafter(random_drafter(tiny["llama"], [1, 1, 1]), root / "eagle3")),
+            "medusa": dict(speculative_method="medusa", k=6,
+                           medusa_heads=str(random_heads(64).save(root / "medusa", {"medusa_choices": TREE}))),
+            "dflash": dict(speculative_method="dflash", k=3, draft=save_random(tiny["llama"], root / "dflash")),
+            "ngram_tree": dict(speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_branches=3)}
 
 
-@pytest.mark.parametrize("method", ["plain", "draft", "eagle3"])
-def test_two_ranks_greedy_equal_one_device(tiny, eagle_drafter, method):
-    kw = {"plain": dict(k=0), "draft": dict(draft=tiny["llama_draft"], k=3),
-          "eagle3": dict(speculative_method="eagle3", draft=eagle_drafter, k=3)}[method]
+@pytest.mark.parametrize("method", ["plain", "draft", "eagle3",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("medusa", "dflash",
+                                                                                        "ngram_tree"))])
+def test_two_ranks_greedy_equal_one_device(tiny, methods, method):
+    kw = methods[method]
     assert _outputs(tiny["llama"], 2, **kw) == _outputs(tiny["llama"], 1, **kw)
     assert not multiprocessing.active_children()  # close() stopped the worker
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_copy_blocks_on_every_rank(tiny):
+    """A whole-prompt hit recomputes its last token into a private copy of a shared block: every rank must copy
+    its heads' K/V, or the workers' attention reads an empty block and the output changes."""
+    prompt = list(range(5, 5 + 32))  # 8 full blocks of 4
+    outputs = {}
+    for tp in (1, 2):
+        core = make_core(tiny["llama"], block_size=4, tensor_parallel_size=tp)
+        try:
+            first = drive(core, [(0, prompt, GREEDY)])
+            again = drive(core, [(0, prompt, GREEDY), (0, prompt, GREEDY)])
+        finally:
+            core.close()
+        assert [o.num_cached_tokens for o in again] == [31, 31]
+        outputs[tp] = [o.output_token_ids for o in first + again]
+    assert outputs[2] == outputs[1] and len(set(map(tuple, outputs[1]))) == 1
 
 
 def test_int4_target_splits_before_packing(tiny):
