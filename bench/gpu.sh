@@ -7,6 +7,7 @@
 #      - a random-weight GPT-2-large-shape target (774M) with a random distilgpt2-shape draft (acceptance ~0: the
 #        cost of speculating for nothing) and with itself as draft (every token accepted: the acceptance upper
 #        bound, but a draft as slow as the target). Random weights measure cost, not acceptance.
+#   3. with 2 or more GPUs: tensor parallelism, TP=1 vs TP=2 (bench.tensor_parallel), after tests/gpu's NCCL test.
 # Every step writes its JSON under OUT as it finishes, so a run cut short still leaves what it measured; the
 # last step prints one markdown table of everything (bench/gpu_report.py).
 #
@@ -82,6 +83,17 @@ for pair in "${PAIRS[@]}"; do
   IFS='|' read -r name target draft chat <<< "$pair"
   for b in $BATCHES; do bench "$name" "$target" "$draft" "$chat" bfloat16 "$b" speed "$REPEATS"; done
 done
+
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$DEVICE" != cpu ] && [ "$GPUS" -ge 2 ]; then
+  log "3. tensor parallelism: TP=1 vs TP=2 on the first pair's target, bf16, batches $BATCHES"
+  IFS='|' read -r name target draft chat <<< "${PAIRS[0]}"
+  "$PYTHON" -m bench.tensor_parallel --model "$target" --device cuda --dtype bfloat16 --quantization none \
+    --sizes 1,2 --concurrency "$(echo $BATCHES | tr ' ' ',')" --max-tokens "$MAX_TOKENS" \
+    --out "$OUT/tensor-parallel.json" 2>> "$OUT/bench.log" || { status=1; log "FAILED: tensor parallelism"; }
+else
+  log "3. tensor parallelism: skipped ($GPUS GPU(s) visible; needs 2)"
+fi
 
 "$PYTHON" -m bench.gpu_report "$OUT" | tee "$OUT/report.md"
 rm -rf "$OUT/models"
