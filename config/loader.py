@@ -17,7 +17,8 @@ from specserve.config.schema import AppConfig, EngineConfig, ServerConfig, parse
 ENV_PREFIX = "SPECSERVE_"
 ENV_CONFIG = "SPECSERVE_CONFIG"
 ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR", "SPECSERVE_CACHE"})  # read elsewhere, not config fields
-# (SPECSERVE_CACHE: where `specserve train` keeps checkpoints and teacher stores)
+# (SPECSERVE_CACHE: where `specserve train` keeps checkpoints and teacher stores, and small GGUF files their
+# converted copies: engine/model/gguf_cache.py)
 SECTIONS = (EngineConfig, ServerConfig)
 # variables Kubernetes injects for a Service named "specserve" (SPECSERVE_SERVICE_HOST, SPECSERVE_PORT_8000_TCP, ...)
 _K8S_SERVICE_LINKS = (ENV_PREFIX + "SERVICE_", ENV_PREFIX + "PORT_")

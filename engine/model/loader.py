@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.engine.errors import InvalidRequestError
+from specserve.engine.model import gguf_cache
 from specserve.engine.model.attention import ATTN_IMPLEMENTATION, register_attention
 from specserve.engine.model.quantize import quantize_linears
 from specserve.engine.model.support import check_supported
@@ -68,21 +69,18 @@ def resolve_quantization(requested: str | None, path: str | os.PathLike, device:
         return requested
     if device.type != "cpu" or dtype == torch.float32 or not is_gguf(path):
         return None
-    from gguf import GGUFReader  # transformers' own GGUF dependency
-
-    try:
-        tensors = GGUFReader(str(path)).tensors
-    except Exception:  # noqa: BLE001  unreadable: load_model reports it, naming the file and the field
-        return None
-    types = {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
-    return "int4" if types == {"Q4_1"} else None
+    return "int4" if gguf_cache.decoder_tensor_types(path) == {"Q4_1"} else None
 
 
 def _pretrained_args(path: str | os.PathLike) -> tuple[str, dict]:
-    """from_pretrained's name and kwargs: a GGUF file is its directory plus gguf_file=, dequantised to a dense
-    model (transformers otherwise keeps packed weights when the `kernels` package is installed)."""
+    """from_pretrained's name and kwargs: a GGUF file converted before is its cached directory
+    (engine/model/gguf_cache.py); otherwise the file's directory plus gguf_file=, dequantised to a dense model
+    (transformers otherwise keeps packed weights when the `kernels` package is installed)."""
     if not is_gguf(path):
         return str(path), {}
+    converted = gguf_cache.lookup(path)
+    if converted is not None:
+        return str(converted), {}
     from transformers import GgufConfig
 
     p = Path(path).expanduser()
@@ -115,13 +113,18 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
         raise InvalidRequestError(f"quantization: {quantization} uses torch's CPU kernels; on {device.type} load "
                                   "the model unquantized (or pre-quantized for a GPU server)", "quantization")
     name, extra = _pretrained_args(path)
+    convert = bool(extra) and gguf_cache.cacheable(path)  # a small GGUF read from the file: keep an fp32 copy
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if quantization else dtype,
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if quantization or convert else dtype,
                                                      trust_remote_code=trust_remote_code, **extra)
     except (ValueError, KeyError, OSError, RuntimeError, ImportError) as exc:
         if not extra:
             raise
         raise _gguf_error(path, field, exc) from exc
+    if convert:
+        gguf_cache.store(path, model)
+        if not quantization:
+            model = model.to(dtype)  # what loading in the dtype gives: the file's values, cast
     try:
         check_supported(model)
     except InvalidRequestError as exc:

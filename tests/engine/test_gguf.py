@@ -38,13 +38,40 @@ def test_loads_dense_with_tokenizer_and_chat_template(core):
     assert core.eos_token_ids >= {core.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
 
-def test_greedy_equals_transformers_and_answers_paris(core):
+@pytest.fixture(scope="module")
+def from_file():
+    """transformers reading the GGUF file itself, bypassing the engine's converted copy: (fp32 model, tokenizer)."""
+    from transformers import AutoTokenizer, GgufConfig
+
+    kw = {"gguf_file": GGUF.name}
+    model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True), **kw).eval()
+    return model, AutoTokenizer.from_pretrained(str(GGUF.parent), **kw)
+
+
+def test_the_converted_copy_is_the_file(core, from_file):
+    """After the first load the engine reads an HF directory converted from the file (engine/model/gguf_cache.py):
+    the same weights, tokenizer, chat template and tensor types, in a fraction of the time."""
+    from specserve.engine.model import gguf_cache
+
+    converted = gguf_cache.lookup(GGUF)
+    assert converted is not None and _pretrained_args(GGUF) == (str(converted), {})
+    model, tok = from_file
+    cached, direct = load_model(GGUF, torch.float32, torch.device("cpu")).state_dict(), model.state_dict()
+    assert cached.keys() == direct.keys() and all(torch.equal(cached[k], v) for k, v in direct.items())
+    again = load_tokenizer(GGUF)
+    assert again.get_vocab() == tok.get_vocab() and again.chat_template == tok.chat_template
+    assert again.eos_token_id == tok.eos_token_id and again.encode("Héllo wörld\n<|im_end|>") == tok.encode(
+        "Héllo wörld\n<|im_end|>")
+    assert gguf_cache.decoder_tensor_types(GGUF) == {"Q4_1"}
+
+
+def test_greedy_equals_transformers_and_answers_paris(core, from_file):
     chat = core.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                               add_generation_prompt=True, tokenize=False)
     out = run(core, [chat], SamplingParams(temperature=0, max_tokens=16, num_speculative_tokens=0))[0]
     assert "Paris" in out.text
-    name, extra = _pretrained_args(GGUF)
-    hf = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **extra).eval()
+    hf = from_file[0]  # transformers reading the file itself (the engine read its converted copy)
     ids = torch.tensor([out.prompt_token_ids])
     ref = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
     eos = core.eos_token_ids
