@@ -1,8 +1,10 @@
 """The tensor-parallel ranks of one engine: rank 0 is the engine's own process (scheduler, proposers, verification,
 and its slice of the target); ranks 1 .. N-1 are worker processes it starts (engine/parallel/worker.py), each with
-its slice of the target and its heads' KV pool. They join one torch.distributed group (gloo on CPU, NCCL on CUDA,
-with a gloo group beside it for commands), and every step rank 0 broadcasts what the workers replay: a forward's
-inputs, a K/V move, or stop.
+its slice of the target and its heads' KV pool. They join one torch.distributed group (gloo on CPU, NCCL on CUDA)
+for the all-reduces inside the forward. Commands travel beside it, on one pipe per worker: every step rank 0 sends
+what the workers replay (a forward's inputs, a K/V move, a block copy, stop). Not a collective on purpose: a worker
+waits for its next command as long as the server is idle, and a collective would time out (gloo's wait is bounded);
+the group's timeout (COLLECTIVE_TIMEOUT) then bounds only the waits inside a forward.
 
 Failure is never a hang: a watchdog thread on rank 0 waits on the workers' process sentinels, and when one exits
 while the engine runs it logs which rank died and how, and ends the process with status 1 (a supervisor such as
@@ -24,7 +26,8 @@ import torch
 
 log = logging.getLogger("specserve.engine.parallel")
 
-JOIN_TIMEOUT = timedelta(seconds=120)  # rendezvous of the ranks (the models load after it)
+JOIN_TIMEOUT = timedelta(seconds=120)  # a spawned worker says it is alive (imports done) within this
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # the rendezvous, and any wait for a peer inside a forward
 LOAD_TIMEOUT = 3600.0  # seconds a worker may take to load and split its model
 EXIT_STATUS = 1
 
@@ -44,6 +47,7 @@ class WorkerSpec:
     rank: int = 0
     threads: int = 1
     log_level: int = logging.INFO
+    timeout_s: float = COLLECTIVE_TIMEOUT.total_seconds()  # the group's wait for a peer inside a forward
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -54,13 +58,12 @@ def backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_group(spec: WorkerSpec, store):
-    """Join the default group; -> the group commands travel on (gloo: objects are pickled on the CPU)."""
+def init_group(spec: WorkerSpec, store) -> None:
+    """Join the default group, whose collectives are the forward's all-reduces."""
     import torch.distributed as dist
 
     dist.init_process_group(backend(spec.device_type), store=store, rank=spec.rank, world_size=spec.world,
-                            timeout=JOIN_TIMEOUT if spec.device_type == "cpu" else None)
-    return dist.new_group(backend="gloo") if spec.device_type == "cuda" else dist.group.WORLD
+                            timeout=timedelta(seconds=spec.timeout_s))
 
 
 class TensorParallelGroup:
@@ -92,8 +95,9 @@ class TensorParallelGroup:
             self.pipes.append(ours)
         log.info("tensor parallel: %d ranks, workers %s", spec.world,
                  ", ".join(f"rank {i + 1} pid {p.pid}" for i, p in enumerate(self.procs)))
+        self._await("alive", JOIN_TIMEOUT.total_seconds(), watch=False)  # each worker joins right after
         try:
-            self.commands = init_group(spec, self._store)
+            init_group(spec, self._store)
         except Exception as exc:
             self.kill()
             raise RuntimeError(f"tensor_parallel_size: the ranks did not join ({self._exits() or exc})") from exc
@@ -102,23 +106,32 @@ class TensorParallelGroup:
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded and split its model; raise the first worker error, rank named."""
+        self._await("ready", LOAD_TIMEOUT, watch=True)
+
+    def _await(self, expected: str, timeout: float, watch: bool) -> None:
+        """One message from every worker: `expected`, or ("error", message), or its death, all raised with the rank
+        named; then, with `watch`, the watchdog starts."""
         pending = dict(zip(self.pipes, range(1, self.spec.world)))
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
         while pending:
-            ready = wait([*pending, *sentinels], timeout=LOAD_TIMEOUT)
+            ready = wait([*pending, *sentinels], timeout=timeout)
             if not ready:
                 self.kill()
-                raise RuntimeError(f"tensor_parallel_size: ranks {sorted(pending.values())} did not load their "
-                                   f"model within {LOAD_TIMEOUT:.0f} s")
+                raise RuntimeError(f"tensor_parallel_size: ranks {sorted(pending.values())} did not get {expected} "
+                                   f"within {timeout:.0f} s")
             for r in ready:
-                if r in sentinels and sentinels[r] in pending.values():
-                    self._fail_start(sentinels[r], f"exited with code {self.procs[sentinels[r] - 1].exitcode}")
                 if r in pending:
-                    kind, message = r.recv()
+                    try:
+                        kind, message = r.recv()
+                    except EOFError:
+                        kind, message = "error", "its pipe closed"
                     if kind == "error":
                         self._fail_start(pending[r], message)
                     del pending[r]
-        threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
+                elif r in sentinels and sentinels[r] in pending.values():
+                    self._fail_start(sentinels[r], f"exited with code {self.procs[sentinels[r] - 1].exitcode}")
+        if watch:
+            threading.Thread(target=self._watch, name="specserve-tp-watchdog", daemon=True).start()
 
     def _fail_start(self, rank: int, message: str):
         self.kill()
@@ -127,10 +140,13 @@ class TensorParallelGroup:
     # -- commands -------------------------------------------------------------------------------------------------
 
     def send(self, *command) -> None:
-        """Broadcast one command to the workers (they replay it in order)."""
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([command], src=0, group=self.commands)
+        """One command to every worker (they replay them in order); plain Python values only (no tensors: torch's
+        multiprocessing pickler would move them through shared memory)."""
+        try:
+            for pipe in self.pipes:
+                pipe.send(command)
+        except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+            self.fatal(f"a worker stopped reading commands ({type(exc).__name__})")
 
     def fatal(self, reason: str) -> None:
         """The ranks can no longer agree (a worker died, a collective failed, rank 0 failed inside one): log which

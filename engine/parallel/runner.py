@@ -1,6 +1,6 @@
 """Rank 0's target runner under tensor parallelism: the engine calls it exactly like a ModelRunner; every call that
-touches the target's weights or KV is first broadcast to the workers, which replay it on their slices, so the
-collectives inside the forward line up on every rank."""
+touches the target's weights or KV is first sent to the workers, which replay it on their slices, so the
+all-reduces inside the forward line up on every rank."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class TensorParallelRunner:
     def run(self, input_ids: torch.Tensor, chunks, logits_index: torch.Tensor, hidden_rows=None, capture=False):
         """ModelRunner.run on every rank; hidden states and logits come from rank 0's (whole) residual stream."""
         try:
-            self.group.send("run", input_ids, chunks)
+            self.group.send("run", input_ids.tolist(), chunks)
             return self.local.run(input_ids, chunks, logits_index, hidden_rows, capture)
         except Exception as exc:  # a half-run forward leaves the workers inside a collective: no way back
             self.group.fatal(f"rank 0's forward failed ({type(exc).__name__}: {exc})")

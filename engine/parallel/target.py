@@ -9,6 +9,7 @@ import os
 import torch
 
 from specserve.engine.model.runner import ModelRunner
+from specserve.engine.parallel import group
 from specserve.engine.parallel.group import TensorParallelGroup, WorkerSpec
 from specserve.engine.parallel.runner import TensorParallelRunner
 from specserve.engine.parallel.shard import attach_all_reduce, check_shardable, local_kv_heads, shard_model
@@ -25,7 +26,8 @@ class ShardedTarget:
                              f"{torch.cuda.device_count()} visible")
         self.spec = WorkerSpec(str(path), dtype, device.type, config.trust_remote_code, quantization,
                                config.quantization_dense_rows, world, threads=max(1, (os.cpu_count() or 1) // world),
-                               log_level=logging.getLogger("specserve").getEffectiveLevel() or logging.INFO)
+                               log_level=logging.getLogger("specserve").getEffectiveLevel() or logging.INFO,
+                               timeout_s=group.COLLECTIVE_TIMEOUT.total_seconds())
         self.group = TensorParallelGroup(self.spec)
         self._rowwise: list[str] = []
 

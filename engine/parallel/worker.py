@@ -25,8 +25,9 @@ def worker_main(spec: WorkerSpec, conn) -> None:
     _exit_with_parent()
     import torch.distributed as dist
 
+    conn.send(("alive", None))
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=False)
-    commands = init_group(spec, store)
+    init_group(spec, store)
     try:
         model, kv_heads = load_shard(spec)
     except Exception as exc:  # noqa: BLE001  reported to rank 0, which raises it with the rank named
@@ -34,7 +35,7 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         sys.exit(1)
     conn.send(("ready", None))
     try:
-        serve(spec, model, kv_heads, commands)
+        serve(spec, model, kv_heads, conn)
     except Exception:
         log.exception("tensor parallel rank %d failed", spec.rank)
         os._exit(1)
@@ -67,9 +68,8 @@ def shard_unit(spec: WorkerSpec) -> int:
 
 
 @torch.inference_mode()
-def serve(spec: WorkerSpec, model, kv_heads: int, commands) -> None:
-    import torch.distributed as dist
-
+def serve(spec: WorkerSpec, model, kv_heads: int, conn) -> None:
+    """Replay rank 0's commands until "stop" (or rank 0's end of the pipe closes)."""
     from specserve.engine.model.runner import ModelRunner
     from specserve.engine.sched.kv_cache import KVPool
 
@@ -77,16 +77,17 @@ def serve(spec: WorkerSpec, model, kv_heads: int, commands) -> None:
     runner = None
     no_logits = torch.empty(0, dtype=torch.long)
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=commands)
-        op, *args = box[0]
+        try:
+            op, *args = conn.recv()
+        except EOFError:  # rank 0 is gone
+            os._exit(1)
         if op == "kv":
             num_blocks, block_size = args
             kv = KVPool.allocate(model.config, num_blocks, block_size, spec.dtype, device, kv_heads=kv_heads)
             runner = ModelRunner(model, kv, device, model.config.vocab_size)
         elif op == "run":
             input_ids, chunks = args
-            runner.run(input_ids, chunks, no_logits)
+            runner.run(torch.tensor(input_ids, dtype=torch.long), chunks, no_logits)
         elif op == "copy_slots":
             runner.kv.copy_slots(*args)
         elif op == "copy_blocks":

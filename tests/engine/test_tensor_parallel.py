@@ -9,6 +9,8 @@ not bit for bit; greedy identity on these prompts is what the tests hold the eng
 
 import logging
 import multiprocessing
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -88,6 +90,19 @@ def test_int4_target_splits_before_packing(tiny):
 def test_sampled_output_keeps_the_target_law_on_two_ranks(pair):  # noqa: F811
     target, draft = pair
     assert _p_value(target, None, CASES["temperature_1"], draft=draft, k=2, tensor_parallel_size=2) > 1e-3
+
+
+def test_an_idle_engine_outlives_the_groups_timeout(tiny, monkeypatch):
+    """Workers wait for commands on a pipe, not in a collective: idling longer than the group's timeout (10 min in
+    production, 2 s here) must not end them."""
+    monkeypatch.setattr("specserve.engine.parallel.group.COLLECTIVE_TIMEOUT", timedelta(seconds=2))
+    core = make_core(tiny["llama"], tensor_parallel_size=2, k=0)
+    try:
+        first = run(core, PROMPTS[:2], GREEDY)
+        time.sleep(4)
+        assert [o.output_token_ids for o in run(core, PROMPTS[:2], GREEDY)] == [o.output_token_ids for o in first]
+    finally:
+        core.close()
 
 
 def test_a_model_without_a_plan_is_refused_and_no_worker_stays(tiny):
