@@ -7,8 +7,10 @@ a tensor-name map rebuilt per module): the demo target took ~16 s to load and ~5
 converted directory, well under a second each, with the same weights, tokenizer and chat template (tested). Only files
 up to MAX_FILE_BYTES are converted (their fp32 copy is ~8x the file on disk); larger ones load from the file as before.
 
-The entry is named by the file's resolved path, size and modification time and by the transformers version, so a
-changed file or library converts again; a cache that cannot be written (a read-only home) only costs the time.
+Converting costs what one start used to (one read of the weights, one of the tokenizer); later starts read the
+directory. The entry is named by the file's resolved path, size and modification time and by the transformers
+version, so a changed file or library converts again; where the cache cannot be written (a read-only home) the file
+is read directly, as before.
 """
 
 from __future__ import annotations
@@ -48,19 +50,38 @@ def entry(path: str | os.PathLike) -> Path:
     return cache_root() / f"{p.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def lookup(path: str | os.PathLike) -> Path | None:
-    """The converted directory of `path`, if a complete one exists."""
+def converted(path: str | os.PathLike) -> Path | None:
+    """The converted directory of `path`, converting it now if it is small and the cache is writable; None: read
+    the file itself (too large, no writable cache, or transformers cannot read it: the caller reports that)."""
     if not cacheable(path):
         return None
-    d = entry(path)
-    return d if (d / META).is_file() else None
+    final = entry(path)
+    if (final / META).is_file():
+        return final
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        probe = final.parent / f".probe.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError:
+        return None  # read-only: converting would read the file twice for nothing
+    try:
+        _convert(Path(path).expanduser(), final)
+    except Exception as exc:  # noqa: BLE001  the direct read reports an unreadable file with its field
+        log.info("gguf: %s not converted (%s: %s)", path, type(exc).__name__, exc)
+        return None
+    return final
 
 
 def decoder_tensor_types(path: str | os.PathLike) -> set[str] | None:
-    """GGUF types of the file's blk.* matrices (None: unreadable), from the cache when converted."""
-    found = lookup(path)
+    """GGUF types of the file's blk.* matrices (None: unreadable)."""
+    found = converted(path)
     if found is not None:
         return set(json.loads((found / META).read_text())["decoder_tensor_types"])
+    return _read_tensor_types(path)
+
+
+def _read_tensor_types(path) -> set[str] | None:
     from gguf import GGUFReader  # transformers' own GGUF dependency
 
     try:
@@ -70,28 +91,27 @@ def decoder_tensor_types(path: str | os.PathLike) -> set[str] | None:
     return {t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
-def store(path: str | os.PathLike, model) -> None:
-    """Save `model` (loaded from the file in fp32, nothing changed yet) with the file's tokenizer; never raises."""
-    if not cacheable(path):
-        return
-    try:
-        from transformers import AutoTokenizer
+def _convert(path: Path, final: Path) -> None:
+    """Read the file once (fp32 weights, tokenizer, tensor types) and save it as an HF directory, atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-        final = entry(path)
-        tmp = final.parent / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
+    types = _read_tensor_types(path)
+    if types is None:
+        raise ValueError("not a readable GGUF file")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = final.parent / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / META).write_text(json.dumps({"source": str(path.resolve()), "decoder_tensor_types": sorted(types)}))
         try:
-            p = Path(path).expanduser()
-            model.save_pretrained(tmp)
-            AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained(tmp)
-            (tmp / META).write_text(json.dumps({"source": str(p.resolve()),
-                                                "decoder_tensor_types": sorted(decoder_tensor_types(p) or ())}))
             os.rename(tmp, final)
         except OSError:
-            if not final.is_dir():
+            if not (final / META).is_file():  # not another process's finished copy
                 raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a partial or losing copy otherwise
-        log.info("gguf: %s converted once into %s (later starts read it)", path, final)
-    except Exception as exc:  # noqa: BLE001  a cache is an optimisation: loading already succeeded
-        log.info("gguf: %s not cached (%s: %s)", path, type(exc).__name__, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a partial or losing copy otherwise
+    log.info("gguf: %s converted once into %s (later starts read it)", path, final)

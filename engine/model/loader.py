@@ -78,7 +78,7 @@ def _pretrained_args(path: str | os.PathLike) -> tuple[str, dict]:
     (transformers otherwise keeps packed weights when the `kernels` package is installed)."""
     if not is_gguf(path):
         return str(path), {}
-    converted = gguf_cache.lookup(path)
+    converted = gguf_cache.converted(path)
     if converted is not None:
         return str(converted), {}
     from transformers import GgufConfig
@@ -113,18 +113,13 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
         raise InvalidRequestError(f"quantization: {quantization} uses torch's CPU kernels; on {device.type} load "
                                   "the model unquantized (or pre-quantized for a GPU server)", "quantization")
     name, extra = _pretrained_args(path)
-    convert = bool(extra) and gguf_cache.cacheable(path)  # a small GGUF read from the file: keep an fp32 copy
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if quantization or convert else dtype,
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if quantization else dtype,
                                                      trust_remote_code=trust_remote_code, **extra)
     except (ValueError, KeyError, OSError, RuntimeError, ImportError) as exc:
         if not extra:
             raise
         raise _gguf_error(path, field, exc) from exc
-    if convert:
-        gguf_cache.store(path, model)
-        if not quantization:
-            model = model.to(dtype)  # what loading in the dtype gives: the file's values, cast
     try:
         check_supported(model)
     except InvalidRequestError as exc:

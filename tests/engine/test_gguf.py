@@ -54,8 +54,8 @@ def test_the_converted_copy_is_the_file(core, from_file):
     the same weights, tokenizer, chat template and tensor types, in a fraction of the time."""
     from specserve.engine.model import gguf_cache
 
-    converted = gguf_cache.lookup(GGUF)
-    assert converted is not None and _pretrained_args(GGUF) == (str(converted), {})
+    converted = gguf_cache.entry(GGUF)
+    assert (converted / gguf_cache.META).is_file() and _pretrained_args(GGUF) == (str(converted), {})
     model, tok = from_file
     cached, direct = load_model(GGUF, torch.float32, torch.device("cpu")).state_dict(), model.state_dict()
     assert cached.keys() == direct.keys() and all(torch.equal(cached[k], v) for k, v in direct.items())
