@@ -146,7 +146,8 @@ class TensorParallelGroup:
             for pipe in self.pipes:
                 pipe.send(command)
         except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
-            self.fatal(f"a worker stopped reading commands ({type(exc).__name__})")
+            if not self._closing:  # closing (or killed): a worker already gone is no failure
+                self.fatal(f"a worker stopped reading commands ({type(exc).__name__})")
 
     def fatal(self, reason: str) -> None:
         """The ranks can no longer agree (a worker died, a collective failed, rank 0 failed inside one): log which
