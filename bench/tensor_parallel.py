@@ -47,9 +47,15 @@ def allreduce_us(hidden: int, world: int, rows: int, repeats: int = 300) -> floa
     (what every attention block and MLP of a sharded model pays, twice per layer)."""
     import torch.multiprocessing as mp
 
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, hidden, rows, repeats, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, hidden, rows, repeats, queue, port))
+             for r in range(world)]
     for p in procs:
         p.start()
     result = queue.get()
@@ -58,12 +64,12 @@ def allreduce_us(hidden: int, world: int, rows: int, repeats: int = 300) -> floa
     return result
 
 
-def _allreduce_rank(rank, world, hidden, rows, repeats, queue) -> None:
+def _allreduce_rank(rank, world, hidden, rows, repeats, queue, port) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.ones(rows, hidden, dtype=torch.bfloat16)
     for _ in range(20):
         dist.all_reduce(x)

@@ -47,6 +47,3 @@ class TensorParallelRunner:
         except Exception as exc:  # a half-run forward leaves the workers inside a collective: no way back
             self.group.fatal(f"rank 0's forward failed ({type(exc).__name__}: {exc})")
             raise
-
-    def close(self) -> None:
-        self.group.close()

@@ -15,8 +15,6 @@ from specserve.engine.parallel.runner import TensorParallelRunner
 from specserve.engine.parallel.shard import attach_all_reduce, check_shardable, local_kv_heads, shard_model
 from specserve.engine.parallel.worker import shard_unit
 
-log = logging.getLogger("specserve.engine.parallel")
-
 
 class ShardedTarget:
     def __init__(self, config, path, dtype: torch.dtype, device: torch.device, quantization: str | None):

