@@ -88,7 +88,7 @@ class EngineCore:
                             shard=self.sharded.shard if self.sharded else None)
         if self.sharded:
             self.sharded.attach(target)
-        kv_heads = self.sharded.kv_heads(target.config) if self.sharded else [None]
+        kv_heads = self.sharded.kv_heads(target.config) if self.sharded else None  # per rank; None: all
         self.vocab_size = target.config.vocab_size
         tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
@@ -106,7 +106,7 @@ class EngineCore:
         limits = [config.max_model_len, target.config.max_position_embeddings,
                   *(p.max_model_len for p in proposers.values())]
         self.max_model_len = min(x for x in limits if x)
-        per_token = kv_bytes_per_token(target.config, self.dtype, max(kv_heads, key=lambda h: h or 0))
+        per_token = kv_bytes_per_token(target.config, self.dtype, max(kv_heads) if kv_heads else None)
         per_token += sum(p.kv_bytes_per_token() for p in proposers.values())
         budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
         num_blocks = budget // (per_token * config.block_size)
@@ -115,7 +115,8 @@ class EngineCore:
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         hidden_layers = tuple(sorted({i for p in proposers.values() for i in p.needs.hidden_layers}))
         self.target = ModelRunner(target, KVPool.allocate(target.config, num_blocks, config.block_size, self.dtype,
-                                                          self.device, kv_heads[0]), self.device, self.vocab_size,
+                                                          self.device, kv_heads and kv_heads[0]), self.device,
+                                  self.vocab_size,
                                   hidden_layers=hidden_layers)
         if self.sharded:
             self.target = self.sharded.runner(self.target)

@@ -40,7 +40,10 @@ def test_two_rank_server_answers_and_a_killed_rank_ends_it(tiny):
         assert len(workers) == 1
         in_flight = threading.Thread(target=lambda: _swallow(_chat, server.url, 200, True), daemon=True)
         in_flight.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while server.metric("specserve_num_requests_running") < 1:  # the request is in the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         os.kill(workers[0], signal.SIGKILL)
         status = server.proc.wait(timeout=60)  # never a hang
         log = server.proc.stdout.read()
