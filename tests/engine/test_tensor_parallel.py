@@ -53,6 +53,19 @@ def test_prefix_cache_hits_copy_blocks_on_every_rank(tiny):
     assert outputs[2] == outputs[1] and len(set(map(tuple, outputs[1]))) == 1
 
 
+def test_a_self_draft_on_two_ranks_accepts_every_token(tiny):
+    """The target as its own draft: the draft runs whole on rank 0, the target split over 2 ranks; greedy, every
+    proposed token must be accepted (broken KV or proposer state under TP would show here as rejections, which
+    greedy identity alone cannot see)."""
+    core = make_core(tiny["llama"], draft=tiny["llama"], k=3, tensor_parallel_size=2)
+    try:
+        outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=6)
+    finally:
+        core.close()
+    drafted = sum(o.speculation.num_draft_tokens for o in outs)
+    assert drafted > 0 and sum(o.speculation.num_accepted_tokens for o in outs) == drafted
+
+
 def test_int4_target_splits_before_packing(tiny):
     """int4 groups of 32 stay whole on each rank: the split quantized model is the one-device quantized model."""
     kw = dict(k=0, quantization="int4")
