@@ -65,6 +65,12 @@ ARG UID=10001
 LABEL org.opencontainers.image.title="specserve" \
       org.opencontainers.image.description="OpenAI-compatible LLM server with lossless speculative decoding" \
       org.opencontainers.image.licenses="Apache-2.0"
+# gcc + libc headers: the engine builds its CPU kernels (engine/model/cpu_kernels) for the host's CPU on first start
+# (~3 s, cached in the user's home); without a compiler it logs a warning and runs torch's slower kernels.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid "${UID}" specserve \
     && useradd --system --uid "${UID}" --gid specserve --create-home --home-dir /home/specserve \
        --shell /usr/sbin/nologin specserve \

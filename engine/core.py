@@ -85,7 +85,8 @@ class EngineCore:
             self.sharded = ShardedTarget(config, target_path, self.dtype, self.device, self.quantization)
         target = load_model(target_path, self.dtype, self.device, remote, quantization=self.quantization,
                             dense_from_rows=config.quantization_dense_rows,
-                            shard=self.sharded.shard if self.sharded else None)
+                            shard=self.sharded.shard if self.sharded else None,
+                            cpu_kernels=not config.enable_torch_compile)
         if self.sharded:
             self.sharded.attach(target)
         kv_heads = self.sharded.kv_heads(target.config) if self.sharded else None  # per rank; None: all

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from specserve.engine.model.cpu_kernels import ops as cpu_ops
 from specserve.engine.sample.tree import ancestor_matrix, depths
 from specserve.engine.sched.kv_cache import KVPool
 
@@ -125,6 +126,7 @@ class AttentionMetadata:
     num_tokens: int  # T
     groups: tuple[QueryGroup, ...]
     spare_row: bool = False  # the output has a row T that padding writes to (a compiled forward's stable shapes)
+    kernels: object = None  # engine/model/cpu_kernels' library: short query groups run on its attention
     layers_seen: set = field(default_factory=set, compare=False)  # each layer writes its K/V once per forward
 
 
@@ -188,7 +190,7 @@ def _stand_in(kv: KVPool, tables: torch.Tensor, scratch: int, min_q: int, device
 
 
 def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device,
-                   stable: bool = False) -> tuple[AttentionMetadata, torch.Tensor]:
+                   stable: bool = False, kernels=None) -> tuple[AttentionMetadata, torch.Tensor]:
     """Metadata for one ragged forward, plus position ids [T]. Host work is O(B + T) index arithmetic.
 
     `stable` (a compiled forward): shapes Dynamo need not specialize — both query groups always present (an absent
@@ -226,7 +228,7 @@ def build_metadata(kv: KVPool, chunks: list[SeqChunk], device: torch.device,
         groups = tuple(_group(kv, tables, num_new, starts, first_token, members, trees, device)
                        for members in (short.nonzero()[:, 0], (~short).nonzero()[:, 0]) if len(members))
     md = AttentionMetadata(kv=kv, write_slots=(tables[seq_of_token, slot_pos // bs] * bs + slot_pos % bs).to(device),
-                           num_tokens=num_tokens, groups=groups, spare_row=stable)
+                           num_tokens=num_tokens, groups=groups, spare_row=stable, kernels=kernels)
     return md, positions.to(device)
 
 
@@ -275,9 +277,23 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     heads = q_tokens.shape[1]
     out = q_tokens.new_empty(md.num_tokens + md.spare_row, heads, head_dim)
     for group in md.groups:
+        if md.kernels is not None and _kernel_fits(group, q_tokens, k_rows, softcap, s_aux):
+            view = group.key_view(pattern)
+            scale = scaling if scaling is not None else head_dim ** -0.5
+            cpu_ops.attention(md.kernels, q_tokens.contiguous(), k_rows, v_rows, kv_heads, view.slots, view.mask[:, 0],
+                              group.token_index, group.output_index, scale, out)
+            continue
         out[group.token_index] = _group_attention(group, pattern, q_tokens, k_rows, v_rows, kv_heads, head_dim,
                                                   scaling, softcap, s_aux)
     return (out[: md.num_tokens] if md.spare_row else out)[None], None
+
+
+def _kernel_fits(group: QueryGroup, q_tokens, k_rows, softcap, s_aux) -> bool:
+    """The CPU kernel takes short groups (decode, verification; prefill chunks stay on SDPA, which is faster there)
+    without soft-capping or sinks, in fp32 or bf16, with up to 16 query heads per K/V head."""
+    return (softcap is None and s_aux is None and group.query_index.shape[1] <= SHORT_QUERY
+            and q_tokens.dtype in cpu_ops.DTYPE_CODES and k_rows.dtype in cpu_ops.DTYPE_CODES
+            and q_tokens.shape[1] <= cpu_ops.MAX_GROUP * k_rows.shape[1] // q_tokens.shape[2])
 
 
 def _group_attention(group: QueryGroup, pattern, q_tokens, k_rows, v_rows, kv_heads: int, head_dim: int, scaling,

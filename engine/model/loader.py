@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specserve.engine.errors import InvalidRequestError
 from specserve.engine.model import gguf_cache
 from specserve.engine.model.attention import ATTN_IMPLEMENTATION, register_attention
-from specserve.engine.model.quantize import quantize_linears
+from specserve.engine.model.cpu_kernels.build import for_device
+from specserve.engine.model.fast_layers import speed_up_layers
+from specserve.engine.model.quantize import keep_q8_head, quantize_linears
 from specserve.engine.model.support import check_supported
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -103,11 +105,13 @@ def release_freed_memory() -> None:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-               field: str = "model", quantization: str | None = None, dense_from_rows: int = 0, shard=None):
+               field: str = "model", quantization: str | None = None, dense_from_rows: int = 0, shard=None,
+               cpu_kernels: bool = True):
     """`quantization` (int8 | int4): the decoder's linear layers become weight-only quantized ones
     (engine/model/quantize.py), quantized from fp32 weights; CPU only. `dense_from_rows` > 0: they also keep a
     dense copy for forwards of at least that many rows. `shard(model)`: cuts a tensor-parallel rank's slice out of
-    the loaded weights, before quantization packs them and before they move to the device."""
+    the loaded weights, before quantization packs them and before they move to the device. `cpu_kernels`: int4
+    layers run on engine/model/cpu_kernels where they can be built (False: torch's kernels, for torch.compile)."""
     register_attention()
     if quantization is not None and device.type != "cpu":
         raise InvalidRequestError(f"quantization: {quantization} uses torch's CPU kernels; on {device.type} load "
@@ -132,9 +136,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     if shard is not None:
         shard(model)
     if quantization is not None:
-        quantize_linears(model, quantization, dtype, dense_from_rows=dense_from_rows)
+        kernels = for_device(device) if cpu_kernels else None
+        quantize_linears(model, quantization, dtype, dense_from_rows=dense_from_rows, kernels=kernels)
+        keep_q8_head(model, kernels)  # a GGUF's Q8_0 head stays 8-bit on the CPU kernels
         model = model.to(dtype)  # the rest (embeddings, norms, the head); int codes keep their dtype
         release_freed_memory()  # the fp32 weights it was quantized from
+        speed_up_layers(model)  # Llama-structured layers on the kernels: fused projections, fewer ops
     return model.to(device).eval()
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from specserve.config.schema import QUANTIZATIONS
+from specserve.engine.model.cpu_kernels import ops as cpu_ops
 
 INT4_GROUP = 32
 
@@ -81,26 +82,106 @@ def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Ten
 
 
 class Int4Linear(PackedLinear):
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP):
+    """With `kernels` (engine/model/cpu_kernels, when they fit: groups of 32, outputs in sixteens, fp32 or bf16
+    activations) the weights are kept in their kernel's layout, w = code * scale + minimum with fp32 scales and
+    minima (the file's own values for a Q4_1 GGUF); otherwise in torch's int4 format, whose scales and zeros are
+    rounded to the activations' dtype."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, group: int = INT4_GROUP, kernels=None):
         super().__init__()
         codes, scales, low = int4_codes(linear.weight, group)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+        self.group, self.in_features, self.out_features = group, linear.in_features, linear.out_features
+        self._codes = codes  # kept until keep_dense() has run or been declined (quantize_linears drops it)
+        self.kernels = None
+        if kernels is not None and group == cpu_ops.GROUP and cpu_ops.supports(dtype) and \
+                cpu_ops.packable(self.out_features, self.in_features):
+            self.kernels = kernels
+            packed, lane_scales, lane_minima = cpu_ops.pack_q4(codes, scales, low)
+            # fp32 values kept as their int32 bits: `model.to(bf16)` casts floating buffers, and the kernel reads fp32
+            self.register_buffer("q4_codes", packed)
+            self.register_buffer("q4_scales", lane_scales.view(torch.int32))
+            self.register_buffer("q4_minima", lane_minima.view(torch.int32))
+            self.register_buffer("bias_bits", None if linear.bias is None else
+                                 linear.bias.detach().float().contiguous().view(torch.int32))
+            return
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         zeros = low + 8 * scales  # the kernel dequantizes (q - 8) * scale + zero
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
                              .contiguous().to(dtype))  # [K / group, N, 2]
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
-        self.group, self.in_features, self.out_features = group, linear.in_features, linear.out_features
-        self._codes = codes  # kept until keep_dense() has run or been declined (quantize_linears drops it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None or (self.dense_from_rows is not None and x.numel() >= self.dense_from_rows
+                                    * self.in_features) or x.dtype not in cpu_ops.DTYPE_CODES:
+            return super().forward(x)
+        shape = x.shape
+        y = cpu_ops.q4_linear(self.kernels, x.reshape(-1, shape[-1]), self.q4_codes, self.q4_scales,
+                              self.q4_minima, self.bias_bits)  # the bias is added in the kernel
+        return y.view(*shape[:-1], self.out_features)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return cpu_ops.q4_linear(self.kernels, x, self.q4_codes, self.q4_scales, self.q4_minima, None)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
 
     def dequantized(self) -> torch.Tensor:
-        """(q - 8) * scale + zero with the stored (dtype-rounded) scales and zeros: what the kernel applies."""
+        """The weight the kernel applies: code * scale + minimum (fp32) with the kernels, else (q - 8) * scale +
+        zero with the stored (dtype-rounded) scales and zeros."""
+        if self.kernels is not None:
+            codes, scales, minima = cpu_ops.unpack_q4(self.q4_codes, self.q4_scales.view(torch.float32),
+                                                      self.q4_minima.view(torch.float32))
+            n, k = codes.shape
+            w = codes.float().view(n, k // self.group, self.group) * scales[..., None] + minima[..., None]
+            return w.view(n, k)
         scales, zeros = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K / group] each
         n, k = self._codes.shape
         q = self._codes.float().view(n, k // self.group, self.group)
         return ((q - 8) * scales[..., None] + zeros[..., None]).view(n, k)
+
+
+class Q8Head(nn.Module):
+    """An output head whose weights are exactly 8-bit codes times a scale per group of 32 (a GGUF file's Q8_0
+    `token_embd`/`output`, which transformers dequantizes), run on the CPU kernels' 8-bit matrix-vector product: the
+    file's own head, in fp32 arithmetic, reading a quarter of the fp32 bytes (half of bf16's). It computes forwards of
+    up to `max_rows` rows (decode, verification at one stream), where the product is bound by reading the weights;
+    more rows go to the dense weight in the model's dtype (`weight`, which the speculative methods read too), where
+    the dtype's matmul is faster. A row's logits therefore come from one of two products depending on the rows in
+    its step; in bf16 near-ties may then differ with the batch, as the README says for bf16 in general."""
+
+    def __init__(self, head: nn.Linear, codes: torch.Tensor, scales: torch.Tensor, kernels, max_rows: int):
+        super().__init__()
+        self.weight = head.weight  # the dense head (tied to the input embeddings where the model ties them)
+        packed, lane_scales = cpu_ops.pack_q8(codes, scales)
+        self.register_buffer("q8_codes", packed)
+        self.register_buffer("q8_scales", lane_scales.view(torch.int32))  # fp32 bits: see Int4Linear
+        self.kernels, self.max_rows = kernels, max_rows
+        self.in_features, self.out_features = head.in_features, head.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if x.shape[0] > self.max_rows or x.dtype not in cpu_ops.DTYPE_CODES:
+            y = nn.functional.linear(x, self.weight)
+        else:
+            y = cpu_ops.q8_linear(self.kernels, x, self.q8_codes, self.q8_scales)  # fp32 logits
+        return y.view(*shape[:-1], self.out_features)
+
+
+Q8_HEAD_MAX_ROWS = 8
+
+
+def keep_q8_head(model: nn.Module, kernels, max_rows: int = Q8_HEAD_MAX_ROWS) -> bool:
+    """Give `model` a Q8Head if its output head (fp32 weights, as loaded for quantization) is exactly 8-bit groups;
+    -> whether it did."""
+    head = model.get_output_embeddings()
+    if kernels is None or type(head) is not nn.Linear or head.bias is not None or \
+            not cpu_ops.packable(head.out_features, head.in_features):
+        return False
+    found = cpu_ops.q8_codes(head.weight.detach())
+    if found is None:
+        return False
+    model.set_output_embeddings(Q8Head(head, *found, kernels, max_rows))
+    return True
 
 
 def quantizable(linear: nn.Linear, mode: str) -> bool:
@@ -111,17 +192,18 @@ def quantizable(linear: nn.Linear, mode: str) -> bool:
 
 
 def quantize_linears(model: nn.Module, mode: str, dtype: torch.dtype, skip: tuple[str, ...] = ("lm_head",),
-                     dense_from_rows: int = 0) -> int:
+                     dense_from_rows: int = 0, kernels=None) -> int:
     """Replace the model's nn.Linear layers (except those named in `skip`) in place; -> how many were replaced.
     Weights are read in fp32 (load the model in fp32 first, then cast the rest to `dtype`). `dense_from_rows` > 0:
-    each layer also keeps its dequantized weight in `dtype` for forwards of at least that many rows."""
+    each layer also keeps its dequantized weight in `dtype` for forwards of at least that many rows. `kernels`
+    (engine/model/cpu_kernels): int4 layers run on them where they fit."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization: {mode!r} is not one of {', '.join(QUANTIZATIONS)}")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and name not in skip and quantizable(child, mode):
-                q = Int8Linear(child, dtype) if mode == "int8" else Int4Linear(child, dtype)
+                q = Int8Linear(child, dtype) if mode == "int8" else Int4Linear(child, dtype, kernels=kernels)
                 if dense_from_rows > 0:
                     q.keep_dense(dense_from_rows, dtype)
                 q.__dict__.pop("_codes", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.model.attention import SeqChunk, build_metadata
+from specserve.engine.model.cpu_kernels.build import for_device
 from specserve.engine.model.hidden import LayerTaps
 from specserve.engine.model.vocab_map import VocabMap
 from specserve.engine.sched.kv_cache import KVPool
@@ -20,6 +21,7 @@ class ModelRunner:
         self.vocab_map = vocab_map  # a draft over a sub-vocabulary: ids in, logits out go through it
         self.taps = LayerTaps(model, hidden_layers) if hidden_layers else None
         self.stable_shapes = False  # a compiled model: metadata padded so that Dynamo meets one shape class
+        self.kernels = for_device(device)  # short-query attention on the CPU kernels (not under torch.compile)
 
     def forward(self, input_ids: torch.Tensor, chunks: list[SeqChunk], logits_index: torch.Tensor) -> torch.Tensor:
         """input_ids [T] (chunks' tokens concatenated), logits_index [N] token rows wanted -> logits [N, V] fp32."""
@@ -31,7 +33,8 @@ class ModelRunner:
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """forward(), plus with `capture` the tapped layers' hidden states {layer: [R, H]} at token rows
         `hidden_rows` [R] (None: every token)."""
-        md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes)
+        md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes,
+                                       kernels=None if self.stable_shapes else self.kernels)
         input_ids = input_ids.to(self.device)
         if self.vocab_map is not None:
             input_ids = self.vocab_map.to_draft_ids(input_ids)

@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
+from specserve.engine.model.cpu_kernels.build import for_device
 from specserve.engine.model.quantize import quantize_linears
 from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
@@ -64,7 +65,7 @@ def _reference(logits: np.ndarray, kw: dict, counts: np.ndarray) -> np.ndarray:
 def _exact_law(target_path, kw, prompt=PROMPT, quantization=None) -> np.ndarray:
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     if quantization:  # the law of the quantized model is the one the engine must follow
-        quantize_linears(model, quantization, torch.float32)
+        quantize_linears(model, quantization, torch.float32, kernels=for_device(torch.device("cpu")))
 
     def next_probs(prefix, generated):
         with torch.no_grad():

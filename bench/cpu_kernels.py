@@ -1,0 +1,103 @@
+"""The CPU kernels (engine/model/cpu_kernels: int4 and Q8_0 products, short-query attention, the lean Llama layer)
+against torch's kernels, on the demo target: two engines in one process — one built with the kernels, one with
+`SPECSERVE_CPU_KERNELS=0` — timed in interleaved rounds at each concurrency, so machine drift hits both alike.
+
+`python -m bench.cpu_kernels --methods none,eagle3 --concurrency 1,4,16 --rounds 3 --out docs/cpu-kernels.json`
+
+Offline `LLM.generate`, greedy, `ignore_eos`, held-out chat questions as plain prompts. Reports the median tokens/s
+of each engine, the median of the per-round ratios, and the share of requests whose tokens were identical (in bf16
+the two engines' arithmetic differs, so near-ties may not be). Nothing else should run meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+from bench.output import emit
+
+
+def build_pair(quantization: str, method: str):
+    from specserve.engine import LLM
+    from specserve.engine.model.cpu_kernels import build
+
+    with_kernels = LLM(quantization=quantization, speculative_method=method)
+    if with_kernels.engine.target.kernels is None:
+        raise SystemExit("the CPU kernels could not be built here (see the warning above); nothing to compare")
+    build.load.cache_clear()
+    os.environ[build.ENV_SWITCH] = "0"
+    try:
+        without = LLM(quantization=quantization, speculative_method=method)
+    finally:
+        del os.environ[build.ENV_SWITCH]
+        build.load.cache_clear()
+    return with_kernels, without
+
+
+def measure(quantization: str, method: str, concurrency: list[int], max_tokens: int, rounds: int) -> list[dict]:
+    from bench.adaptive import batches
+    from bench.prompts import heldout_prompts
+    from specserve.engine import SamplingParams
+
+    engines = build_pair(quantization, method)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for c in concurrency:
+        work = batches(heldout_prompts(), c, at_least=c * (rounds + 1))
+        for llm in engines:
+            llm.generate(work[0], params)  # untimed warm-up at this level
+        speeds: list[list[float]] = [[], []]
+        same = total = 0
+        for r in range(rounds):
+            batch = work[1 + r % (len(work) - 1)] if len(work) > 1 else work[0]
+            outs = []
+            for i, llm in enumerate(engines):
+                t = time.perf_counter()
+                got = llm.generate(batch, params)
+                speeds[i].append(sum(len(o.output_token_ids) for o in got) / (time.perf_counter() - t))
+                outs.append([o.output_token_ids for o in got])
+            same += sum(a == b for a, b in zip(*outs))
+            total += len(batch)
+        ratios = [a / b for a, b in zip(*speeds)]
+        rows.append({"method": method, "concurrency": c, "kernels_tokens_per_s": statistics.median(speeds[0]),
+                     "torch_tokens_per_s": statistics.median(speeds[1]), "ratio_median": statistics.median(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios), "identical_requests": same,
+                     "requests": total, "rounds": rounds})
+    del engines
+    gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--methods", default="none,eagle3")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    cs = [int(c) for c in args.concurrency.split(",")]
+    rows = [row for m in args.methods.split(",") for row in measure(args.quantization, m, cs, args.max_tokens,
+                                                                     args.rounds)]
+    import torch
+
+    from bench.spec_decode import machine_info
+
+    lines = ["| method | streams | kernels tok/s | torch tok/s | kernels / torch (median, min-max) | identical |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['kernels_tokens_per_s']:.1f} | "
+                     f"{r['torch_tokens_per_s']:.1f} | {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-"
+                     f"{r['ratio_max']:.2f}) | {r['identical_requests']}/{r['requests']} |")
+    emit({"quantization": args.quantization, "max_tokens": args.max_tokens, "rows": rows,
+          "machine": machine_info(torch.device("cpu"))}, args.out, "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Build kernels.c once per machine with its C compiler and load it with ctypes.
+
+The library is compiled for the CPU it runs on (`-march=native`) into $SPECSERVE_CACHE/kernels (default
+~/.cache/specserve/kernels), named by a hash of the source, the compiler's version and the CPU's flags, so a changed
+source, compiler or CPU builds again; a build takes about a second. Without a compiler, or where the build or cache
+fails, `load()` returns None and says why once: the engine then runs torch's kernels (the same model, slower).
+`SPECSERVE_CPU_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp.so.1 first: the kernels then share its OpenMP threads)
+
+log = logging.getLogger("specserve.engine")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
+
+I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "specserve_q4_linear": [PTR, INT, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
+    "specserve_q8_linear": [PTR, INT, I64, I64, PTR, PTR, I64, PTR],
+    "specserve_attention": [PTR, INT, I64, I64, I64, PTR, PTR, INT, PTR, PTR, I64, I64, PTR, PTR, I64, F32, PTR],
+}
+
+
+def compiler() -> str | None:
+    name = os.environ.get("CC") or "cc"
+    return shutil.which(name) or shutil.which("gcc") or shutil.which("clang")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_name(cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
+                 platform.machine().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"specserve_cpu_{digest.hexdigest()[:16]}.so"
+
+
+def build(cc: str, target: Path) -> None:
+    """Compile into a temporary name and rename it: concurrent first starts never load a half-written library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernels library, built on first use; None where it cannot be (the reason is logged once)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        log.info("cpu kernels: not built for %s; torch's kernels run", platform.machine())
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("cpu kernels: no C compiler (cc, gcc, clang or $CC) to build them; torch's kernels run, "
+                    "same outputs, slower on CPU")
+        return None
+    try:
+        target = cache_root() / _library_name(cc)
+        if not target.exists():
+            build(cc, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("cpu kernels: could not build or load them (%s); torch's kernels run", exc)
+        return None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def for_device(device, compiled: bool = False) -> ctypes.CDLL | None:
+    """The kernels for a model on `device`: CPU only, and not under torch.compile (Dynamo cannot trace a ctypes
+    call; a compiled forward keeps torch's kernels, which Inductor fuses)."""
+    return load() if getattr(device, "type", device) == "cpu" and not compiled else None

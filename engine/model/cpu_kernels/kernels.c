@@ -1,0 +1,339 @@
+/* specserve's CPU kernels for the decode and verify shapes (a few token rows per forward), built by build.py at run
+ * time with the machine's C compiler and called through ctypes (ops.py). Two operations, each computed the same way
+ * for a row whatever else is in the batch (no reduction crosses rows), so greedy speculative output stays equal to
+ * plain output:
+ *
+ *   q4_linear  y = x W^T (+ bias) with W in 4-bit groups of 32 along the input: w = code * scale + minimum, the
+ *              layout of a GGUF Q4_1 block (code i of a group in byte i's low nibble, code i + 16 in its high one),
+ *              fp32 scales and minima, fp32 accumulation.
+ *   attention  softmax(q k^T * scale) v over the paged KV pool for a group of query rows, each reading the key slots
+ *              its mask row allows (causal, windows, chunks and token trees are all just masks), fp32 throughout.
+ *
+ * Activations and the KV pool are fp32 or bf16 (dtype code 0 / 1). Threads: OpenMP, which is torch's own runtime
+ * (libgomp.so.1, already loaded by torch) so that both share one pool of threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SPECSERVE_AVX512 1
+#endif
+
+#define GROUP 32
+#define ROW_BLOCK 4
+/* Work below this many multiply-adds runs on the calling thread: waking the OpenMP team costs more than it saves,
+ * and its threads spin after each region, taking a core from other processes (a server beside its clients). */
+#define PARALLEL_WORK (1 << 18)
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void load_row(const void *src, int dtype, int64_t n, float *dst) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    }
+}
+
+static void store_row(const float *src, int dtype, int64_t n, void *dst) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    }
+}
+
+int specserve_kernels_version(void) { return 5; }
+
+int specserve_kernels_avx512(void) {
+#ifdef SPECSERVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Weights are stored for this kernel by ops.pack_q4: outputs in blocks of 16 (one AVX-512 lane each), and within a
+ * block, for each group and each pair of inputs (k, k + 1), 16 bytes: lane l's code for input k in the low nibble
+ * and for input k + 1 in the high one. Scales and minima [N / 16, G, 16]. Each output is then a lane of a vector
+ * accumulator (no horizontal sums), and codes unpacked once serve every row of the block of rows. */
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, const float *scales,
+                                                           const float *minima, const float *xs, const float *sums,
+                                                           int64_t K, int64_t G, const int rows, float *out,
+                                                           int64_t N) {
+#ifdef SPECSERVE_AVX512
+    __m512 total[ROW_BLOCK];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 part[ROW_BLOCK][4];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < 4; c++) part[r][c] = _mm512_setzero_ps();
+        const uint8_t *wg = w + g * (GROUP / 2) * 16;
+        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)wg + 2048 + line, _MM_HINT_T0);
+        for (int p = 0; p < GROUP / 2; p += 2) {
+            for (int u = 0; u < 2; u++) {
+                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + (p + u) * 16)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, low4));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+                for (int r = 0; r < rows; r++) {
+                    const float *x = xs + r * K + g * GROUP + 2 * (p + u);
+                    part[r][2 * u] = _mm512_fmadd_ps(lo, _mm512_set1_ps(x[0]), part[r][2 * u]);
+                    part[r][2 * u + 1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(x[1]), part[r][2 * u + 1]);
+                }
+            }
+        }
+        const __m512 sc = _mm512_loadu_ps(scales + g * 16), mn = _mm512_loadu_ps(minima + g * 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 s = _mm512_add_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                           _mm512_add_ps(part[r][2], part[r][3]));
+            total[r] = _mm512_fmadd_ps(s, sc, total[r]);
+            total[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[r * G + g]), total[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
+#else
+    float total[ROW_BLOCK][16];
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < 16; l++) total[r][l] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        float part[ROW_BLOCK][4][16];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 16; l++) part[r][c][l] = 0.0f;
+        const uint8_t *wg = w + g * (GROUP / 2) * 16;
+        for (int p = 0; p < GROUP / 2; p += 2)
+            for (int u = 0; u < 2; u++)
+                for (int r = 0; r < rows; r++) {
+                    const float *x = xs + r * K + g * GROUP + 2 * (p + u);
+                    for (int l = 0; l < 16; l++) {
+                        const uint8_t b = wg[(p + u) * 16 + l];
+                        part[r][2 * u][l] += (float)(b & 15) * x[0];
+                        part[r][2 * u + 1][l] += (float)(b >> 4) * x[1];
+                    }
+                }
+        for (int r = 0; r < rows; r++)
+            for (int l = 0; l < 16; l++) {
+                const float s = (part[r][0][l] + part[r][1][l]) + (part[r][2][l] + part[r][3][l]);
+                total[r][l] += s * scales[g * 16 + l];
+                total[r][l] += minima[g * 16 + l] * sums[r * G + g];
+            }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < 16; l++) out[r * N + l] = total[r][l];
+#endif
+}
+
+/* x [R, K] (dtype), codes [N / 16, G, 16, 16] (ops.pack_q4), scales and minima [N / 16, G, 16] fp32, bias [N] fp32
+ * or NULL -> y [R, N] (dtype). N a multiple of 16, K of 32. */
+void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
+                         const float *minima, const float *bias, int64_t N, void *y) {
+    const int64_t G = K / GROUP, blocks = N / 16;
+    float *xs = (float *)malloc((size_t)(R * K + R * G + R * N) * sizeof(float));
+    float *sums = xs + R * K; /* [R, G]: sum of each group's inputs, which the minima multiply */
+    float *out = sums + R * G;
+    for (int64_t r = 0; r < R; r++) {
+        load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < GROUP; i++) s += xs[r * K + g * GROUP + i];
+            sums[r * G + g] = s;
+        }
+    }
+#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *w = codes + b * G * (GROUP / 2) * 16;
+        const float *sc = scales + b * G * 16, *mn = minima + b * G * 16;
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *xr = xs + r0 * K, *sr = sums + r0 * G;
+            float *o = out + r0 * N + b * 16;
+            switch (R - r0 < ROW_BLOCK ? (int)(R - r0) : ROW_BLOCK) {
+            case 1: q4_block(w, sc, mn, xr, sr, K, G, 1, o, N); break;
+            case 2: q4_block(w, sc, mn, xr, sr, K, G, 2, o, N); break;
+            case 3: q4_block(w, sc, mn, xr, sr, K, G, 3, o, N); break;
+            default: q4_block(w, sc, mn, xr, sr, K, G, 4, o, N); break;
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        if (bias)
+            for (int64_t n = 0; n < N; n++) out[r * N + n] += bias[n];
+        store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
+    }
+    free(xs);
+}
+
+/* An 8-bit linear layer (GGUF Q8_0: w = code * scale, groups of 32 inputs, codes -128..127): codes [N / 16, K, 16]
+ * int8 (block of 16 outputs, input, output lane), scales [N / 16, G, 16] fp32. Same blocking as q4_block. */
+static inline __attribute__((always_inline)) void q8_block(const int8_t *w, const float *scales, const float *xs,
+                                                           int64_t K, int64_t G, const int rows, float *out,
+                                                           int64_t N) {
+#ifdef SPECSERVE_AVX512
+    __m512 total[ROW_BLOCK];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
+        for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm512_setzero_ps();
+        const int8_t *wg = w + g * GROUP * 16;
+        const float *xg = xs + g * GROUP;
+        for (int line = 0; line < GROUP * 16; line += 64) _mm_prefetch((const char *)wg + 4096 + line, _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int k = 0; k < GROUP; k += 2) {
+            const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wg + k * 16))));
+            const __m512 c1 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wg + k * 16 + 16))));
+            for (int r = 0; r < rows; r++) {
+                even[r] = _mm512_fmadd_ps(c0, _mm512_set1_ps(xg[r * K + k]), even[r]);
+                odd[r] = _mm512_fmadd_ps(c1, _mm512_set1_ps(xg[r * K + k + 1]), odd[r]);
+            }
+        }
+        const __m512 sc = _mm512_loadu_ps(scales + g * 16);
+        for (int r = 0; r < rows; r++) total[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), sc, total[r]);
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
+#else
+    float total[ROW_BLOCK][16];
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < 16; l++) total[r][l] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        float part[ROW_BLOCK][2][16];
+        for (int r = 0; r < rows; r++)
+            for (int l = 0; l < 16; l++) part[r][0][l] = part[r][1][l] = 0.0f;
+        const int8_t *wg = w + g * GROUP * 16;
+        for (int k = 0; k < GROUP; k++)
+            for (int r = 0; r < rows; r++)
+                for (int l = 0; l < 16; l++) part[r][k & 1][l] += (float)wg[k * 16 + l] * xs[r * K + g * GROUP + k];
+        for (int r = 0; r < rows; r++)
+            for (int l = 0; l < 16; l++) total[r][l] += (part[r][0][l] + part[r][1][l]) * scales[g * 16 + l];
+    }
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < 16; l++) out[r * N + l] = total[r][l];
+#endif
+}
+
+/* x [R, K] (dtype) -> y [R, N] fp32 (logits); codes and scales as q8_block reads them. */
+void specserve_q8_linear(const void *x, int dtype, int64_t R, int64_t K, const int8_t *codes, const float *scales,
+                         int64_t N, float *y) {
+    const int64_t G = K / GROUP, blocks = N / 16;
+    float *xs = (float *)malloc((size_t)(R * K) * sizeof(float));
+    for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
+#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *w = codes + b * K * 16;
+        const float *sc = scales + b * G * 16;
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *xr = xs + r0 * K;
+            float *o = y + r0 * N + b * 16;
+            switch (R - r0 < ROW_BLOCK ? (int)(R - r0) : ROW_BLOCK) {
+            case 1: q8_block(w, sc, xr, K, G, 1, o, N); break;
+            case 2: q8_block(w, sc, xr, K, G, 2, o, N); break;
+            case 3: q8_block(w, sc, xr, K, G, 3, o, N); break;
+            default: q8_block(w, sc, xr, K, G, 4, o, N); break;
+            }
+        }
+    }
+    free(xs);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* e^x for x <= 0 (softmax after the maximum is subtracted), vectorizable: 2^n * p(r) with x = n ln2 + r,
+ * |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error < 2e-7); 0 below -87. */
+static inline float exp_nonpositive(float x) {
+    const float t = x * 1.44269504089f;
+    const float n = __builtin_floorf(t + 0.5f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = (int32_t)n;
+    int32_t bits = (e + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+
+#define MAX_GROUP 16
+
+/* One query group's attention over the paged pool.
+ * q [T, H, D] (dtype), pools [slots, H_kv, D] (kv_dtype), slots [B, L] int64, mask [B, Qmax, L] bool,
+ * token_index / output_index [n]: row t of q and out, and its (b, j) = divmod(output_index, Qmax) in the mask.
+ * out [T', H, D] (dtype): rows token_index are written. Query heads g * G .. g * G + G - 1 read K/V head g
+ * (G = H / H_kv <= 16); each K/V row is converted once for the G heads that read it. */
+void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int64_t D, const void *k_pool,
+                         const void *v_pool, int kv_dtype, const int64_t *slots, const uint8_t *mask, int64_t Qmax,
+                         int64_t L, const int64_t *token_index, const int64_t *output_index, int64_t n, float scale,
+                         void *out) {
+    const int64_t group = H / H_kv, esize = dtype ? 2 : 4, kv_esize = kv_dtype ? 2 : 4;
+#pragma omp parallel if (n * H * L * D >= PARALLEL_WORK)
+    {
+        float *buf = (float *)malloc((size_t)(MAX_GROUP * L + 2 * MAX_GROUP * D + D + L) * sizeof(float));
+        float *scores = buf, *qv = scores + MAX_GROUP * L, *acc = qv + MAX_GROUP * D, *kv = acc + MAX_GROUP * D;
+        int64_t *keys = (int64_t *)malloc((size_t)L * sizeof(int64_t));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < n * H_kv; item++) {
+            const int64_t i = item / H_kv, g = item % H_kv, t = token_index[i];
+            const int64_t b = output_index[i] / Qmax, j = output_index[i] % Qmax;
+            const uint8_t *allowed = mask + (b * Qmax + j) * L;
+            int64_t count = 0;
+            for (int64_t l = 0; l < L; l++)
+                if (allowed[l]) keys[count++] = slots[b * L + l];
+            for (int64_t hh = 0; hh < group; hh++)
+                load_row((const char *)q + (t * H + g * group + hh) * D * esize, dtype, D, qv + hh * D);
+            for (int64_t c = 0; c < count; c++) {
+                load_row((const char *)k_pool + (keys[c] * H_kv + g) * D * kv_esize, kv_dtype, D, kv);
+                for (int64_t hh = 0; hh < group; hh++) scores[hh * L + c] = dot(qv + hh * D, kv, D) * scale;
+            }
+            for (int64_t hh = 0; hh < group; hh++) {
+                float *sc = scores + hh * L, best = -INFINITY, total = 0.0f;
+                for (int64_t c = 0; c < count; c++) best = sc[c] > best ? sc[c] : best;
+#pragma omp simd
+                for (int64_t c = 0; c < count; c++) sc[c] = exp_nonpositive(sc[c] - best);
+                for (int64_t c = 0; c < count; c++) total += sc[c];
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma omp simd
+                for (int64_t c = 0; c < count; c++) sc[c] *= inv;
+                for (int64_t d = 0; d < D; d++) acc[hh * D + d] = 0.0f;
+            }
+            for (int64_t c = 0; c < count; c++) {
+                load_row((const char *)v_pool + (keys[c] * H_kv + g) * D * kv_esize, kv_dtype, D, kv);
+                for (int64_t hh = 0; hh < group; hh++) {
+                    const float p = scores[hh * L + c];
+                    float *a = acc + hh * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * kv[d];
+                }
+            }
+            for (int64_t hh = 0; hh < group; hh++)
+                store_row(acc + hh * D, dtype, D, (char *)out + (t * H + g * group + hh) * D * esize);
+        }
+        free(keys);
+        free(buf);
+    }
+}

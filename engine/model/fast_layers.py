@@ -1,0 +1,120 @@
+"""A leaner forward for Llama-structured decoder layers whose projections run on the CPU kernels (int4 targets on CPU:
+the demo's default), installed on the layer instances at load.
+
+At one stream a 135M target's step is mostly per-operation overhead: HF's layer runs ~100 small torch ops per layer
+(the norm alone is eight). This forward computes the same layer with q/k/v fused into one int4 product and gate/up
+into another (their packed weights concatenated by output blocks; the separate modules keep views of them, no second
+copy), the RMS norm as one fused op in fp32, and HF's own rotary function and the engine's paged attention. The layer
+is still called as a module, so hooks (the hidden-state taps of EAGLE-3, Medusa, DFlash) see its output as before.
+
+Outputs equal the HF layer's up to float rounding order (the norm's reduction, the fused products' blocking is
+per output so unchanged); the engine's exactness is with respect to the model it runs, so greedy speculative output
+still equals greedy plain output of the same engine (tests/engine/test_cpu_kernels.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine.model.attention import paged_attention
+from specserve.engine.model.cpu_kernels import ops as cpu_ops
+from specserve.engine.model.hidden import decoder_layers
+from specserve.engine.model.quantize import Int4Linear
+
+# layer classes with exactly the Llama layer's structure: pre-norm attention and SwiGLU MLP, RMS norms, rotary
+# embeddings applied by their module's apply_rotary_pos_emb, no q/k norms
+LLAMA_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' (ACT2FN["silu"]) SiLU modules
+
+
+class FusedInt4(nn.Module):
+    """Several Int4Linear layers on the kernels that read the same input, as one product: their packed weights are
+    concatenated by blocks of 16 outputs, and each original layer's buffers become views into the fused ones."""
+
+    def __init__(self, layers: list[Int4Linear]):
+        super().__init__()
+        self.kernels = layers[0].kernels
+        self.sizes = [m.out_features for m in layers]
+        self.register_buffer("q4_codes", torch.cat([m.q4_codes for m in layers]))
+        self.register_buffer("q4_scales", torch.cat([m.q4_scales for m in layers]))
+        self.register_buffer("q4_minima", torch.cat([m.q4_minima for m in layers]))
+        biases = [m.bias_bits if m.bias_bits is not None else
+                  torch.zeros(m.out_features, dtype=torch.float32).view(torch.int32) for m in layers]
+        has_bias = any(m.bias_bits is not None for m in layers)
+        self.register_buffer("bias_bits", torch.cat(biases) if has_bias else None)
+        start = 0
+        for m in layers:  # the originals read the fused storage: no second copy of the weights
+            blocks = m.out_features // cpu_ops.LANES
+            for name in ("q4_codes", "q4_scales", "q4_minima"):
+                setattr(m, name, getattr(self, name)[start:start + blocks])
+            start += blocks
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        shape = x.shape
+        y = cpu_ops.q4_linear(self.kernels, x.reshape(-1, shape[-1]), self.q4_codes, self.q4_scales, self.q4_minima,
+                              self.bias_bits)
+        return y.view(*shape[:-1], -1).split(self.sizes, dim=-1)
+
+
+def _on_kernels(*modules) -> bool:
+    return all(isinstance(m, Int4Linear) and m.kernels is not None and m.dense_from_rows is None for m in modules)
+
+
+def fits(layer: nn.Module) -> bool:
+    """A Llama-structured layer whose seven projections are int4 on the kernels, with SiLU and RMS norms."""
+    if type(layer).__name__ not in LLAMA_LAYERS:
+        return False
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    try:
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    except AttributeError:
+        return False
+    return (_on_kernels(*projections) and type(mlp.act_fn).__name__ in SILU
+            and all(hasattr(n, "variance_epsilon") and n.weight.dim() == 1 for n in norms)
+            and hasattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb"))
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """HF's RMS norm (fp32 statistics, cast back before the weight) as one fused op."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+
+
+def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+             position_embeddings=None, **kwargs) -> torch.Tensor:
+    attn, fused = self.self_attn, self.specserve_fused
+    batch, tokens, _ = hidden_states.shape
+    q, k, v = fused["qkv"](_rms_norm(hidden_states, self.input_layernorm))
+    head_dim = attn.head_dim
+    q = q.view(batch, tokens, -1, head_dim).transpose(1, 2)
+    k = k.view(batch, tokens, -1, head_dim).transpose(1, 2)
+    v = v.view(batch, tokens, -1, head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = fused["rotary"](q, k, cos, sin)
+    out, _ = paged_attention(attn, q, k, v, attention_mask, scaling=attn.scaling, **kwargs)
+    hidden_states = hidden_states + attn.o_proj(out.reshape(batch, tokens, -1))
+    gate, up = fused["gate_up"](_rms_norm(hidden_states, self.post_attention_layernorm))
+    return hidden_states + self.mlp.down_proj(F.silu(gate) * up)
+
+
+def speed_up_layers(model: nn.Module) -> int:
+    """Install the lean forward on every decoder layer that fits; -> how many."""
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        return 0
+    done = 0
+    for layer in layers:
+        if not fits(layer):
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        layer.specserve_fused = {"qkv": FusedInt4([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                 "gate_up": FusedInt4([mlp.gate_proj, mlp.up_proj]),
+                                 "rotary": sys.modules[type(layer).__module__].apply_rotary_pos_emb}
+        layer.forward = types.MethodType(_forward, layer)
+        done += 1
+    return done

@@ -1,0 +1,75 @@
+"""The engine on the CPU kernels: which parts run on them, that the lean layer computes HF's layer, and exactness
+(greedy speculative = greedy plain, chains and token trees) on an int4 target whose every projection, attention and
+layer runs on them."""
+
+import pytest
+import torch
+
+from specserve.engine.model.attention import SeqChunk
+from specserve.engine.model.cpu_kernels import build
+from specserve.engine.model.fast_layers import FusedInt4
+from specserve.engine.model.hidden import decoder_layers
+from specserve.engine.model.quantize import Int4Linear
+from tests.engine.helpers import make_core, run
+from tests.engine.test_greedy_exactness import PROMPTS
+from tests.engine.test_quantization import GREEDY
+
+pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler to build the CPU kernels")
+
+
+def test_an_int4_llama_runs_its_layers_projections_and_attention_on_the_kernels(tiny):
+    core = make_core(tiny["llama"], quantization="int4")
+    model = core.target.model
+    assert core.target.kernels is not None
+    assert all(m.kernels is not None for m in model.modules() if isinstance(m, Int4Linear))
+    layers = decoder_layers(model)
+    assert all("forward" in vars(layer) for layer in layers)  # the lean forward, on the instance
+    qkv = layers[0].specserve_fused["qkv"]
+    assert isinstance(qkv, FusedInt4) and qkv.sizes == [64, 32, 32]
+    # the separate projections read the fused storage (no second copy) and compute what the fused one does
+    q_proj = layers[0].self_attn.q_proj
+    assert q_proj.q4_codes.data_ptr() == qkv.q4_codes.data_ptr()
+    x = torch.randn(3, 64)
+    assert torch.equal(qkv(x)[0], q_proj(x)) and torch.equal(qkv(x)[2], layers[0].self_attn.v_proj(x))
+
+
+def test_the_lean_layer_computes_the_hf_layer(tiny):
+    core = make_core(tiny["llama"], quantization="int4")
+    runner = core.target
+    ids = torch.tensor([5, 9, 2, 7, 7, 3, 1, 4])
+    table = core.allocator.allocate(core.allocator.blocks_for(len(ids)))
+    chunks = [SeqChunk(block_table=table, start=0, num_new=5), SeqChunk(block_table=table, start=5, num_new=3)]
+    rows = torch.arange(len(ids))
+    lean = runner.forward(ids[:5], chunks[:1], rows[:5])  # a prefill chunk (SDPA), then 3 rows (the kernel)
+    lean = torch.cat([lean, runner.forward(ids[5:], chunks[1:], rows[:3])])
+    layers = decoder_layers(runner.model)
+    for layer in layers:  # back to HF's forward (the class's), same modules and kernels
+        del layer.forward
+    hf = torch.cat([runner.forward(ids[:5], chunks[:1], rows[:5]), runner.forward(ids[5:], chunks[1:], rows[:3])])
+    assert torch.allclose(lean, hf, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(lean, torch.zeros_like(lean))
+
+
+def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny):
+    expected = [o.output_token_ids for o in run(make_core(tiny["llama"], quantization="int4"), PROMPTS, GREEDY)]
+    for kw in (dict(speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_branches=3,
+                    max_num_batched_tokens=24),
+               dict(draft=tiny["llama_draft"], k=3)):
+        core = make_core(tiny["llama"], quantization="int4", **kw)
+        outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=5)
+        assert [o.output_token_ids for o in outs] == expected
+        assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
+
+
+def test_switched_off_the_engine_runs_torch_kernels(tiny, monkeypatch):
+    build.load.cache_clear()
+    try:
+        monkeypatch.setenv(build.ENV_SWITCH, "0")
+        core = make_core(tiny["llama"], quantization="int4")
+        assert core.target.kernels is None
+        assert all(m.kernels is None and hasattr(m, "packed") for m in core.target.model.modules()
+                   if isinstance(m, Int4Linear))
+        assert not any("forward" in vars(layer) for layer in decoder_layers(core.target.model))
+        assert len(run(core, PROMPTS[:2], GREEDY)[0].output_token_ids) == GREEDY.max_tokens
+    finally:
+        build.load.cache_clear()

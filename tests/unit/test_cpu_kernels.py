@@ -1,0 +1,164 @@
+"""The CPU kernels (engine/model/cpu_kernels): each against the product or attention it computes, in fp64, and the
+property the engine's exactness rests on: a row's result does not depend on the other rows of the call."""
+
+import logging
+
+import pytest
+import torch
+
+from specserve.engine.model.attention import _manual_attention
+from specserve.engine.model.cpu_kernels import build, ops
+from specserve.engine.model.quantize import Int4Linear, int4_codes
+
+lib = build.load()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler to build the CPU kernels")
+
+
+def q4_weights(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes, scales, minima = int4_codes(torch.randn(n, k, generator=g))
+    dense = (codes.double().view(n, k // 32, 32) * scales.double()[..., None] + minima.double()[..., None]).view(n, k)
+    return ops.pack_q4(codes, scales, minima), (codes, scales, minima), dense
+
+
+def test_q4_packing_round_trips():
+    packed, (codes, scales, minima), _ = q4_weights(48, 96)
+    assert packed[0].dtype == torch.uint8 and packed[0].numel() == 48 * 96 // 2
+    back = ops.unpack_q4(*packed)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scales) and torch.equal(back[2], minima)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_linear_is_the_dequantized_product_row_by_row(dtype):
+    packed, _, dense = q4_weights(80, 96)
+    bias = torch.randn(80)
+    x = torch.randn(9, 96).to(dtype)  # 9 rows: two blocks of four and a remainder
+    y = ops.q4_linear(lib, x, *packed, bias)
+    assert y.dtype == dtype and y.shape == (9, 80)
+    expected = x.double() @ dense.T + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    for r in range(9):  # each row alone: bit for bit what it was in the batch
+        assert torch.equal(ops.q4_linear(lib, x[r:r + 1], *packed, bias)[0], y[r])
+
+
+def test_int4_linear_on_the_kernels_applies_its_dequantized_weight():
+    linear = torch.nn.Linear(64, 48)
+    layer = Int4Linear(linear, torch.float32, kernels=lib)
+    assert layer.kernels is lib and not hasattr(layer, "packed")
+    x = torch.randn(3, 2, 64)
+    expected = x.double() @ layer.dequantized().double().T + linear.bias.double()
+    assert torch.allclose(layer(x).double(), expected, atol=1e-5)
+    # what torch's kernel would run is the same quantization (its scales in the activations' dtype)
+    assert torch.allclose(Int4Linear(linear, torch.float32).dequantized(), layer.dequantized(), atol=1e-6)
+
+
+def test_q4_linear_refuses_what_does_not_fit():
+    packed, _, _ = q4_weights(32, 64)
+    with pytest.raises(ValueError, match="q4_linear"):
+        ops.q4_linear(lib, torch.randn(2, 32), *packed, None)
+    with pytest.raises(ValueError, match="q4_linear"):
+        ops.q4_linear(lib, torch.randn(2, 64, dtype=torch.float16), *packed, None)
+
+
+def q8_weights(n: int, k: int):
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    codes.view(n, k // 32, 32)[..., 5] = -127  # every group reaches |code| 127, as Q8_0's do
+    scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()  # GGUF keeps fp16 scales
+    return codes, scales, (codes.float().view(n, k // 32, 32) * scales[..., None]).view(n, k)
+
+
+def test_q8_codes_are_recovered_exactly_or_not_at_all():
+    codes, scales, weight = q8_weights(32, 64)
+    found = ops.q8_codes(weight)
+    assert found is not None and torch.equal(found[0], codes) and torch.equal(found[1], scales)
+    assert ops.q8_codes(weight + 1e-4) is None  # not 8-bit groups: kept dense
+    assert ops.q8_codes(torch.randn(32, 64)) is None
+    assert ops.q8_codes(weight.bfloat16()) is None  # only the fp32 weights a quantized load reads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_linear_is_the_product_row_by_row(dtype):
+    codes, scales, weight = q8_weights(64, 96)
+    packed = ops.pack_q8(codes, scales)
+    x = torch.randn(6, 96).to(dtype)
+    y = ops.q8_linear(lib, x, *packed)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y.double(), x.double() @ weight.double().T, atol=1e-5)
+    for r in range(6):
+        assert torch.equal(ops.q8_linear(lib, x[r:r + 1], *packed)[0], y[r])
+
+
+def attention_case(dtype, batch=3, q_max=4, length=40, heads=6, kv_heads=2, head_dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    slots_total = batch * length + 8
+    k_rows = torch.randn(slots_total, kv_heads * head_dim, generator=g).to(dtype)
+    v_rows = torch.randn(slots_total, kv_heads * head_dim, generator=g).to(dtype)
+    slots = torch.stack([torch.randperm(slots_total, generator=g)[:length] for _ in range(batch)])
+    mask = torch.rand(batch, q_max, length, generator=g) > 0.4  # any pattern: causal, windows, trees are masks
+    mask[..., 0] = True
+    tokens = batch * q_max
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype)
+    query_index = torch.arange(tokens).view(batch, q_max)
+    kk = k_rows.double()[slots.view(-1)].view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    vv = v_rows.double()[slots.view(-1)].view(batch, length, kv_heads, head_dim).transpose(1, 2)
+    ref = _manual_attention(q.double()[query_index].transpose(1, 2), kk, vv, mask[:, None], 0.25, None, None)
+    return q, k_rows, v_rows, kv_heads, slots, mask, ref.transpose(1, 2).reshape(tokens, heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_masked_softmax_attention_over_the_pool(dtype):
+    q, k_rows, v_rows, kv_heads, slots, mask, ref = attention_case(dtype)
+    rows = torch.arange(q.shape[0])
+    out = torch.full_like(q, 7.0)
+    ops.attention(lib, q, k_rows, v_rows, kv_heads, slots, mask, rows, rows, 0.25, out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out.double(), ref, atol=tol)
+    # a subset of rows: those rows bit for bit, the others untouched
+    some = torch.tensor([1, 6, 11])
+    part = torch.full_like(q, 7.0)
+    ops.attention(lib, q, k_rows, v_rows, kv_heads, slots, mask, some, some, 0.25, part)
+    assert torch.equal(part[some], out[some])
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[some] = False
+    assert bool((part[others] == 7.0).all())
+
+
+def test_attention_refuses_unsupported_layouts():
+    q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.float32)
+    rows = torch.arange(q.shape[0])
+    with pytest.raises(ValueError, match="attention kernel"):
+        ops.attention(lib, q, k_rows, v_rows, kv_heads, slots, mask, rows, rows, 0.25, torch.empty_like(q).half())
+    with pytest.raises(ValueError, match="attention kernel"):
+        ops.attention(lib, q, k_rows, v_rows, 4, slots, mask, rows, rows, 0.25, torch.empty_like(q))
+
+
+def test_switched_off_or_without_a_compiler_torch_runs(monkeypatch, caplog):
+    try:
+        build.load.cache_clear()
+        monkeypatch.setenv(build.ENV_SWITCH, "0")
+        assert build.load() is None
+        build.load.cache_clear()
+        monkeypatch.delenv(build.ENV_SWITCH)
+        monkeypatch.setattr(build, "compiler", lambda: None)
+        with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+            assert build.load() is None
+        assert "no C compiler" in caplog.text
+    finally:
+        build.load.cache_clear()
+
+
+def test_a_failed_build_is_a_warning_not_an_error(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "kernels.c"
+    broken.write_text("this is not C\n")
+    try:
+        build.load.cache_clear()
+        monkeypatch.setattr(build, "SOURCE", broken)
+        monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+        with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+            assert build.load() is None
+        assert "could not build" in caplog.text
+        assert not list((tmp_path / "cache").rglob("*.so*"))  # no half-written library left to load later
+    finally:
+        build.load.cache_clear()
