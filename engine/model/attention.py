@@ -128,6 +128,7 @@ class AttentionMetadata:
     spare_row: bool = False  # the output has a row T that padding writes to (a compiled forward's stable shapes)
     kernels: object = None  # engine/model/cpu_kernels' library: short query groups run on its attention
     layers_seen: set = field(default_factory=set, compare=False)  # each layer writes its K/V once per forward
+    native: dict = field(default_factory=dict, compare=False)  # attention pattern -> the fused layer's view, or None
 
 
 SHORT_QUERY = 16  # sequences with at most this many new tokens form the short group

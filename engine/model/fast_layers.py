@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.model.attention import paged_attention
+import ctypes
+
+from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, AttentionMetadata, paged_attention
 from specserve.engine.model.cpu_kernels import ops as cpu_ops
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.model.quantize import Int4Linear
@@ -84,8 +86,77 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
+class NativeLayer:
+    """The whole layer as one kernel call (kernels.c: specserve_llama_layer: norm, fused q/k/v, rotary, K/V write,
+    attention, o, residual, norm, fused gate/up, SiLU, down, residual; fp32 inside), used for forwards whose query
+    groups are all short (decode, verification) and while nothing hooks o_proj or down_proj (tensor parallelism's
+    all-reduce does); otherwise the layer runs the op-by-op lean forward."""
+
+    def __init__(self, layer: nn.Module, fused: dict):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = fused["qkv"], fused["gate_up"]
+        self.kernels, self.layer_idx, self.head_dim = qkv.kernels, attn.layer_idx, attn.head_dim
+        self.dtype = layer.input_layernorm.weight.dtype
+        self.kv_heads = qkv.sizes[1] // attn.head_dim
+        self.hooked = (attn.o_proj, mlp.down_proj)
+        self._keep = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, gate_up,
+                      attn.o_proj, mlp.down_proj)  # what the C struct points into
+
+        def view(m):
+            return cpu_ops.q4_weights(m.q4_codes, m.q4_scales, m.q4_minima, m.bias_bits)
+        self.weights = cpu_ops.LayerWeights(
+            layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon, attn.scaling,
+            cpu_ops.DTYPE_CODES[self.dtype], 0, attn.o_proj.out_features, qkv.sizes[0] // attn.head_dim,
+            self.kv_heads, attn.head_dim, mlp.down_proj.in_features, view(qkv), view(attn.o_proj), view(gate_up),
+            view(mlp.down_proj))
+        self._weights_ptr = ctypes.addressof(self.weights)
+
+    def usable(self, hidden_states: torch.Tensor, md: AttentionMetadata | None, attention_mask) -> bool:
+        return (md is not None and md.kernels is not None and attention_mask is None and not md.spare_row
+                and hidden_states.dtype == self.dtype and hidden_states.shape[0] == 1
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.hooked))
+
+    def forward_view(self, md: AttentionMetadata, pattern, cos: torch.Tensor, sin: torch.Tensor):
+        """This forward's C view for `pattern` (built by the first layer that asks, shared by the rest), or None
+        when a query group is long (a prefill chunk: SDPA's job) or the rotary tables are not in the model dtype."""
+        if pattern in md.native:
+            return md.native[pattern]
+        entry = None
+        if all(g.query_index.shape[1] <= SHORT_QUERY for g in md.groups) and cos.dtype == self.dtype:
+            groups = []
+            for g in md.groups:
+                view = g.key_view(pattern)
+                groups.append((view.slots.contiguous(), view.mask[:, 0].contiguous(), g.token_index.contiguous(),
+                               g.output_index.contiguous()))
+            keep = (groups, cos[0].contiguous(), sin[0].contiguous(), md.write_slots.contiguous())
+            entry = (cpu_ops.forward_view(md.num_tokens, keep[1], keep[2], keep[3], groups), keep)
+        md.native[pattern] = entry
+        return entry
+
+    def run(self, md: AttentionMetadata, view, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        k_store, v_store = md.kv.key_store[self.layer_idx], md.kv.value_store[self.layer_idx]
+        if k_store.shape[2:] != (self.kv_heads, self.head_dim) or k_store.dtype not in cpu_ops.DTYPE_CODES:
+            return None
+        if self.layer_idx in md.layers_seen:
+            raise NotImplementedError(f"layer {self.layer_idx}: attention runs more than once per forward")
+        md.layers_seen.add(self.layer_idx)
+        self.weights.kv_dtype = cpu_ops.DTYPE_CODES[k_store.dtype]
+        x = hidden_states.contiguous()
+        y = torch.empty_like(x)
+        self.kernels.specserve_llama_layer(self._weights_ptr, ctypes.addressof(view[0]), k_store.data_ptr(),
+                                           v_store.data_ptr(), x.data_ptr(), y.data_ptr())
+        return y
+
+
 def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs) -> torch.Tensor:
+    native, md = self.specserve_native, kwargs.get("specserve_metadata")
+    if native.usable(hidden_states, md, attention_mask):
+        view = native.forward_view(md, getattr(self.self_attn, PATTERN_ATTR, None), *position_embeddings)
+        out = native.run(md, view, hidden_states) if view is not None else None
+        if out is not None:
+            return out
     attn, fused = self.self_attn, self.specserve_fused
     batch, tokens, _ = hidden_states.shape
     q, k, v = fused["qkv"](_rms_norm(hidden_states, self.input_layernorm))
@@ -115,6 +186,7 @@ def speed_up_layers(model: nn.Module) -> int:
         layer.specserve_fused = {"qkv": FusedInt4([attn.q_proj, attn.k_proj, attn.v_proj]),
                                  "gate_up": FusedInt4([mlp.gate_proj, mlp.up_proj]),
                                  "rotary": sys.modules[type(layer).__module__].apply_rotary_pos_emb}
+        layer.specserve_native = NativeLayer(layer, layer.specserve_fused)
         layer.forward = types.MethodType(_forward, layer)
         done += 1
     return done

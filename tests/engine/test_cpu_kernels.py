@@ -7,7 +7,7 @@ import torch
 
 from specserve.engine.model.attention import SeqChunk
 from specserve.engine.model.cpu_kernels import build
-from specserve.engine.model.fast_layers import FusedInt4
+from specserve.engine.model.fast_layers import FusedInt4, NativeLayer
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.model.quantize import Int4Linear
 from tests.engine.helpers import make_core, run
@@ -33,24 +33,35 @@ def test_an_int4_llama_runs_its_layers_projections_and_attention_on_the_kernels(
     assert torch.equal(qkv(x)[0], q_proj(x)) and torch.equal(qkv(x)[2], layers[0].self_attn.v_proj(x))
 
 
-def test_the_lean_layer_computes_the_hf_layer(tiny):
+def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch):
+    """The whole layer in one kernel call, the op-by-op lean forward and HF's own forward, on the same weights and
+    kernels: equal up to fp32 rounding, for a prefill chunk of 5 then 3 decode/verify rows on its K/V."""
     core = make_core(tiny["llama"], quantization="int4")
     runner = core.target
     ids = torch.tensor([5, 9, 2, 7, 7, 3, 1, 4])
     table = core.allocator.allocate(core.allocator.blocks_for(len(ids)))
     chunks = [SeqChunk(block_table=table, start=0, num_new=5), SeqChunk(block_table=table, start=5, num_new=3)]
     rows = torch.arange(len(ids))
-    lean = runner.forward(ids[:5], chunks[:1], rows[:5])  # a prefill chunk (SDPA), then 3 rows (the kernel)
-    lean = torch.cat([lean, runner.forward(ids[5:], chunks[1:], rows[:3])])
-    layers = decoder_layers(runner.model)
-    for layer in layers:  # back to HF's forward (the class's), same modules and kernels
+
+    def both_calls():
+        return torch.cat([runner.forward(ids[:5], chunks[:1], rows[:5]), runner.forward(ids[5:], chunks[1:], rows[:3])])
+    calls = []
+    run_native = NativeLayer.run
+    monkeypatch.setattr(NativeLayer, "run", lambda self, *a: calls.append(1) or run_native(self, *a))
+    fused = both_calls()
+    assert len(calls) == 2 * len(decoder_layers(runner.model))  # every layer of both forwards ran as one call
+    monkeypatch.setattr(NativeLayer, "usable", lambda self, *a: False)
+    lean = both_calls()
+    for layer in decoder_layers(runner.model):  # back to HF's forward (the class's), same modules and kernels
         del layer.forward
-    hf = torch.cat([runner.forward(ids[:5], chunks[:1], rows[:5]), runner.forward(ids[5:], chunks[1:], rows[:3])])
+    hf = both_calls()
     assert torch.allclose(lean, hf, atol=1e-5, rtol=1e-5)
-    assert not torch.equal(lean, torch.zeros_like(lean))
+    assert torch.allclose(fused, hf, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(hf, torch.zeros_like(hf))
 
 
 def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny):
+    """fp32: every decode and verify forward runs each layer as one kernel call (trees through their masks)."""
     expected = [o.output_token_ids for o in run(make_core(tiny["llama"], quantization="int4"), PROMPTS, GREEDY)]
     for kw in (dict(speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_branches=3,
                     max_num_batched_tokens=24),

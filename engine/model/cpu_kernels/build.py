@@ -32,6 +32,7 @@ I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_i
 SIGNATURES = {
     "specserve_q4_linear": [PTR, INT, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
     "specserve_q8_linear": [PTR, INT, I64, I64, PTR, PTR, I64, PTR],
+    "specserve_llama_layer": [PTR, PTR, PTR, PTR, PTR, PTR],
     "specserve_attention": [PTR, INT, I64, I64, I64, PTR, PTR, INT, PTR, PTR, I64, I64, PTR, PTR, I64, F32, PTR],
 }
 

@@ -60,7 +60,7 @@ static void store_row(const float *src, int dtype, int64_t n, void *dst) {
     }
 }
 
-int specserve_kernels_version(void) { return 5; }
+int specserve_kernels_version(void) { return 6; }
 
 int specserve_kernels_avx512(void) {
 #ifdef SPECSERVE_AVX512
@@ -141,42 +141,54 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, con
 #endif
 }
 
-/* x [R, K] (dtype), codes [N / 16, G, 16, 16] (ops.pack_q4), scales and minima [N / 16, G, 16] fp32, bias [N] fp32
- * or NULL -> y [R, N] (dtype). N a multiple of 16, K of 32. */
-void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
-                         const float *minima, const float *bias, int64_t N, void *y) {
-    const int64_t G = K / GROUP, blocks = N / 16;
-    float *xs = (float *)malloc((size_t)(R * K + R * G + R * N) * sizeof(float));
-    float *sums = xs + R * K; /* [R, G]: sum of each group's inputs, which the minima multiply */
-    float *out = sums + R * G;
-    for (int64_t r = 0; r < R; r++) {
-        load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
+/* Weights of one int4 layer in pack_q4's layout; bias fp32 or NULL. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *minima, *bias;
+    int64_t K, N;
+} Q4Weights;
+
+/* xs [R, K] fp32 -> out [R, N] fp32 (bias included). */
+static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16;
+    float *sums = (float *)malloc((size_t)(R * G) * sizeof(float)); /* [R, G]: each group's input sum */
+    for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
             float s = 0.0f;
             for (int i = 0; i < GROUP; i++) s += xs[r * K + g * GROUP + i];
             sums[r * G + g] = s;
         }
-    }
 #pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *w = codes + b * G * (GROUP / 2) * 16;
-        const float *sc = scales + b * G * 16, *mn = minima + b * G * 16;
+        const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
+        const float *sc = w->scales + b * G * 16, *mn = w->minima + b * G * 16;
         for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
             const float *xr = xs + r0 * K, *sr = sums + r0 * G;
             float *o = out + r0 * N + b * 16;
             switch (R - r0 < ROW_BLOCK ? (int)(R - r0) : ROW_BLOCK) {
-            case 1: q4_block(w, sc, mn, xr, sr, K, G, 1, o, N); break;
-            case 2: q4_block(w, sc, mn, xr, sr, K, G, 2, o, N); break;
-            case 3: q4_block(w, sc, mn, xr, sr, K, G, 3, o, N); break;
-            default: q4_block(w, sc, mn, xr, sr, K, G, 4, o, N); break;
+            case 1: q4_block(wb, sc, mn, xr, sr, K, G, 1, o, N); break;
+            case 2: q4_block(wb, sc, mn, xr, sr, K, G, 2, o, N); break;
+            case 3: q4_block(wb, sc, mn, xr, sr, K, G, 3, o, N); break;
+            default: q4_block(wb, sc, mn, xr, sr, K, G, 4, o, N); break;
             }
         }
     }
-    for (int64_t r = 0; r < R; r++) {
-        if (bias)
-            for (int64_t n = 0; n < N; n++) out[r * N + n] += bias[n];
-        store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
-    }
+    if (w->bias)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t n = 0; n < N; n++) out[r * N + n] += w->bias[n];
+    free(sums);
+}
+
+/* x [R, K] (dtype), codes [N / 16, G, 16, 16] (ops.pack_q4), scales and minima [N / 16, G, 16] fp32, bias [N] fp32
+ * or NULL -> y [R, N] (dtype). N a multiple of 16, K of 32. */
+void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
+                         const float *minima, const float *bias, int64_t N, void *y) {
+    const Q4Weights w = {codes, scales, minima, bias, K, N};
+    float *xs = (float *)malloc((size_t)(R * K + R * N) * sizeof(float));
+    float *out = xs + R * K;
+    for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
+    q4_matmul(xs, R, &w, out);
+    for (int64_t r = 0; r < R; r++) store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
     free(xs);
 }
 
@@ -281,16 +293,17 @@ static inline float exp_nonpositive(float x) {
 
 #define MAX_GROUP 16
 
-/* One query group's attention over the paged pool.
- * q [T, H, D] (dtype), pools [slots, H_kv, D] (kv_dtype), slots [B, L] int64, mask [B, Qmax, L] bool,
+/* One query group's attention over the paged pool, rows of q and out at any stride (elements per token row).
+ * q [T, ...] (q_dtype), pools [slots, H_kv, D] (kv_dtype), slots [B, L] int64, mask [B, Qmax, L] bool,
  * token_index / output_index [n]: row t of q and out, and its (b, j) = divmod(output_index, Qmax) in the mask.
- * out [T', H, D] (dtype): rows token_index are written. Query heads g * G .. g * G + G - 1 read K/V head g
- * (G = H / H_kv <= 16); each K/V row is converted once for the G heads that read it. */
-void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int64_t D, const void *k_pool,
-                         const void *v_pool, int kv_dtype, const int64_t *slots, const uint8_t *mask, int64_t Qmax,
-                         int64_t L, const int64_t *token_index, const int64_t *output_index, int64_t n, float scale,
-                         void *out) {
-    const int64_t group = H / H_kv, esize = dtype ? 2 : 4, kv_esize = kv_dtype ? 2 : 4;
+ * Query heads g * G .. g * G + G - 1 read K/V head g (G = H / H_kv <= 16); each K/V row is converted once for the
+ * G heads that read it. */
+static void attend(const void *q, int q_dtype, int64_t q_stride, int64_t H, int64_t H_kv, int64_t D,
+                   const void *k_pool, const void *v_pool, int kv_dtype, const int64_t *slots, const uint8_t *mask,
+                   int64_t Qmax, int64_t L, const int64_t *token_index, const int64_t *output_index, int64_t n,
+                   float scale, void *out, int out_dtype, int64_t out_stride) {
+    const int64_t group = H / H_kv, q_esize = q_dtype ? 2 : 4, out_esize = out_dtype ? 2 : 4;
+    const int64_t kv_esize = kv_dtype ? 2 : 4;
 #pragma omp parallel if (n * H * L * D >= PARALLEL_WORK)
     {
         float *buf = (float *)malloc((size_t)(MAX_GROUP * L + 2 * MAX_GROUP * D + D + L) * sizeof(float));
@@ -305,7 +318,7 @@ void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int6
             for (int64_t l = 0; l < L; l++)
                 if (allowed[l]) keys[count++] = slots[b * L + l];
             for (int64_t hh = 0; hh < group; hh++)
-                load_row((const char *)q + (t * H + g * group + hh) * D * esize, dtype, D, qv + hh * D);
+                load_row((const char *)q + (t * q_stride + (g * group + hh) * D) * q_esize, q_dtype, D, qv + hh * D);
             for (int64_t c = 0; c < count; c++) {
                 load_row((const char *)k_pool + (keys[c] * H_kv + g) * D * kv_esize, kv_dtype, D, kv);
                 for (int64_t hh = 0; hh < group; hh++) scores[hh * L + c] = dot(qv + hh * D, kv, D) * scale;
@@ -331,9 +344,111 @@ void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int6
                 }
             }
             for (int64_t hh = 0; hh < group; hh++)
-                store_row(acc + hh * D, dtype, D, (char *)out + (t * H + g * group + hh) * D * esize);
+                store_row(acc + hh * D, out_dtype, D,
+                          (char *)out + (t * out_stride + (g * group + hh) * D) * out_esize);
         }
         free(keys);
         free(buf);
     }
+}
+
+/* q and out [T, H, D] (dtype); the rest as attend. */
+void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int64_t D, const void *k_pool,
+                         const void *v_pool, int kv_dtype, const int64_t *slots, const uint8_t *mask, int64_t Qmax,
+                         int64_t L, const int64_t *token_index, const int64_t *output_index, int64_t n, float scale,
+                         void *out) {
+    attend(q, dtype, H * D, H, H_kv, D, k_pool, v_pool, kv_dtype, slots, mask, Qmax, L, token_index, output_index, n,
+           scale, out, dtype, H * D);
+}
+
+/* ---- one Llama-structured decoder layer in one call (engine/model/fast_layers.py) ----------------------------- */
+
+typedef struct {
+    const void *input_norm, *post_norm; /* [H] (dtype) */
+    float input_eps, post_eps, scale;
+    int32_t dtype, kv_dtype;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    Q4Weights qkv, o, gate_up, down;
+} LayerWeights;
+
+typedef struct { /* one query group of attention_metadata, as attend reads it */
+    const int64_t *slots, *token_index, *output_index;
+    const uint8_t *mask;
+    int64_t qmax, length, n;
+} QueryGroupView;
+
+typedef struct {
+    int64_t tokens;
+    const void *cos, *sin; /* [T, D] (dtype): the model's rotary embedding at each token's position */
+    const int64_t *write_slots; /* [T] pool row of each token's K/V */
+    int64_t groups;
+    QueryGroupView group[2];
+} ForwardView;
+
+static void rms_norm(const float *x, const void *weight, int dtype, float eps, int64_t H, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < H; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) {
+        const float w = dtype ? bf16_to_f32(((const uint16_t *)weight)[i]) : ((const float *)weight)[i];
+        out[i] = x[i] * inv * w;
+    }
+}
+
+/* x [D] in place: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]) (HF's Llama rotary) */
+static void rotate(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* x [T, H] (dtype) -> y [T, H] (dtype): pre-norm attention with rotary embeddings over the paged pool and a SwiGLU
+ * MLP, fp32 inside; the layer's K/V rows are written to the pools first. */
+void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_pool, void *v_pool, const void *x,
+                           void *y) {
+    const int64_t T = f->tokens, H = w->hidden, D = w->head_dim, I = w->intermediate;
+    const int64_t q_width = w->heads * D, kv_width = w->kv_heads * D, qkv_width = q_width + 2 * kv_width;
+    const int esize = w->dtype ? 2 : 4, kv_esize = w->kv_dtype ? 2 : 4;
+    float *res = (float *)malloc((size_t)(T * (3 * H + qkv_width + q_width + 2 * I + 2 * D)) * sizeof(float));
+    float *h = res + T * H, *tmp = h + T * H, *qkv = tmp + T * H, *att = qkv + T * qkv_width;
+    float *gu = att + T * q_width, *trig = gu + T * 2 * I;
+    for (int64_t t = 0; t < T; t++) {
+        load_row((const char *)x + t * H * esize, w->dtype, H, res + t * H);
+        rms_norm(res + t * H, w->input_norm, w->dtype, w->input_eps, H, h + t * H);
+    }
+    q4_matmul(h, T, &w->qkv, qkv);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * qkv_width, *cos = trig, *sin = trig + D;
+        load_row((const char *)f->cos + t * D * esize, w->dtype, D, cos);
+        load_row((const char *)f->sin + t * D * esize, w->dtype, D, sin);
+        for (int64_t hd = 0; hd < w->heads + w->kv_heads; hd++) rotate(row + hd * D, cos, sin, D);
+        const int64_t slot = f->write_slots[t];
+        store_row(row + q_width, w->kv_dtype, kv_width, (char *)k_pool + slot * kv_width * kv_esize);
+        store_row(row + q_width + kv_width, w->kv_dtype, kv_width, (char *)v_pool + slot * kv_width * kv_esize);
+    }
+    for (int64_t g = 0; g < f->groups; g++) {
+        const QueryGroupView *v = &f->group[g];
+        attend(qkv, 0, qkv_width, w->heads, w->kv_heads, D, k_pool, v_pool, w->kv_dtype, v->slots, v->mask, v->qmax,
+               v->length, v->token_index, v->output_index, v->n, w->scale, att, 0, q_width);
+    }
+    q4_matmul(att, T, &w->o, tmp);
+    for (int64_t i = 0; i < T * H; i++) res[i] += tmp[i];
+    for (int64_t t = 0; t < T; t++) rms_norm(res + t * H, w->post_norm, w->dtype, w->post_eps, H, h + t * H);
+    q4_matmul(h, T, &w->gate_up, gu);
+    for (int64_t t = 0; t < T; t++) { /* silu(gate) * up, into the gate half */
+        float *row = gu + t * 2 * I;
+        for (int64_t i = 0; i < I; i++) row[i] = row[i] / (1.0f + expf(-row[i])) * row[I + i];
+    }
+    float *act = (float *)malloc((size_t)(T * I) * sizeof(float));
+    for (int64_t t = 0; t < T; t++) memcpy(act + t * I, gu + t * 2 * I, (size_t)I * sizeof(float));
+    q4_matmul(act, T, &w->down, tmp);
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
+        store_row(res + t * H, w->dtype, H, (char *)y + t * H * esize);
+    }
+    free(act);
+    free(res);
 }

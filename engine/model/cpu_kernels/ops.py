@@ -25,8 +25,10 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor
     [N / 16, G, 16, 16] uint8 (block of 16 outputs, group, pair of inputs k, k + 1 as low / high nibble, output lane)
     and scales / minima [N / 16, G, 16] fp32; pure."""
     n, k = codes.shape
-    c = codes.to(torch.uint8).view(n // LANES, LANES, k // GROUP, GROUP // 2, 2)  # [nb, lane, g, pair, 2]
-    packed = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()  # [nb, g, pair, lane]
+    pairs = codes.to(torch.int32).contiguous().view(torch.int64)  # [N, K / 2]: code k low, code k + 1 at bit 32
+    bytes_ = ((pairs | (pairs >> 28)) & 0xFF).to(torch.uint8)  # k in bits 0-3, k + 1 in 4-7; pair p of g at g*16+p
+    packed = bytes_.view(n // LANES, LANES, k // 2).transpose(1, 2).contiguous()  # [nb, G * 16, lane]
+    packed = packed.view(n // LANES, k // GROUP, GROUP // 2, LANES)
 
     def lanes(t: torch.Tensor) -> torch.Tensor:
         return t.float().view(n // LANES, LANES, k // GROUP).transpose(1, 2).contiguous()  # [nb, g, lane]
@@ -127,3 +129,48 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_rows: torch.Tensor, v_rows: t
                             v_rows.data_ptr(), DTYPE_CODES[k_rows.dtype], slots.data_ptr(), mask.data_ptr(),
                             mask.shape[1], length, token_index.data_ptr(), output_index.data_ptr(),
                             token_index.shape[0], scale, out.data_ptr())
+
+
+# ---- one Llama-structured decoder layer in one call (kernels.c: specserve_llama_layer) --------------------------
+
+I64_, PTR_, F32_, I32_ = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
+
+
+class Q4Weights(ctypes.Structure):
+    _fields_ = [("codes", PTR_), ("scales", PTR_), ("minima", PTR_), ("bias", PTR_), ("K", I64_), ("N", I64_)]
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [("input_norm", PTR_), ("post_norm", PTR_), ("input_eps", F32_), ("post_eps", F32_), ("scale", F32_),
+                ("dtype", I32_), ("kv_dtype", I32_), ("hidden", I64_), ("heads", I64_), ("kv_heads", I64_),
+                ("head_dim", I64_), ("intermediate", I64_), ("qkv", Q4Weights), ("o", Q4Weights),
+                ("gate_up", Q4Weights), ("down", Q4Weights)]
+
+
+class QueryGroupView(ctypes.Structure):
+    _fields_ = [("slots", PTR_), ("token_index", PTR_), ("output_index", PTR_), ("mask", PTR_), ("qmax", I64_),
+                ("length", I64_), ("n", I64_)]
+
+
+class ForwardView(ctypes.Structure):
+    _fields_ = [("tokens", I64_), ("cos", PTR_), ("sin", PTR_), ("write_slots", PTR_), ("groups", I64_),
+                ("group", QueryGroupView * 2)]
+
+
+def q4_weights(codes: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor, bias: torch.Tensor | None
+               ) -> Q4Weights:
+    """The C view of pack_q4's tensors (which must outlive it)."""
+    blocks, groups, pairs, _ = codes.shape
+    return Q4Weights(codes.data_ptr(), scales.data_ptr(), minima.data_ptr(), _ptr(bias), groups * pairs * 2,
+                     blocks * LANES)
+
+
+def forward_view(tokens: int, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
+                 groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> ForwardView:
+    """groups: (slots [B, L] int64, mask [B, Qmax, L] bool, token_index, output_index), all contiguous and kept
+    alive by the caller while the view is used; at most two (the forward's short and long query groups)."""
+    view = ForwardView(tokens, cos.data_ptr(), sin.data_ptr(), write_slots.data_ptr(), len(groups))
+    for i, (slots, mask, token_index, output_index) in enumerate(groups):
+        view.group[i] = QueryGroupView(slots.data_ptr(), token_index.data_ptr(), output_index.data_ptr(),
+                                       mask.data_ptr(), mask.shape[1], mask.shape[2], token_index.shape[0])
+    return view

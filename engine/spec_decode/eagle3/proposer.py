@@ -23,6 +23,7 @@ import torch
 
 from specserve.config.schema import SpeculativeMethodConfig
 from specserve.engine.model.loader import DEMO_EAGLE3_DIR, bundled_for_demo, release_freed_memory
+from specserve.engine.model.cpu_kernels.build import for_device
 from specserve.engine.model.quantize import quantize_linears
 from specserve.engine.request import Request
 from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token, slot_table, zeroed
@@ -72,7 +73,7 @@ class Eagle3Proposer(ProposerBase):
     def load(cls, cfg: SpeculativeMethodConfig, ctx: ProposerContext) -> "Eagle3Proposer":
         drafter = load_drafter(drafter_directory(cfg, ctx), ctx.target_config, ctx.dtype, ctx.device)
         if ctx.quantization is not None:  # its linears (fc, the layer, its head) on the same kernels as the target's
-            quantize_linears(drafter, ctx.quantization, ctx.dtype, skip=())
+            quantize_linears(drafter, ctx.quantization, ctx.dtype, skip=(), kernels=for_device(ctx.device))
             release_freed_memory()
         embed = drafter.embed_tokens if drafter.embed_tokens is not None else ctx.input_embeddings
         if embed is None:
