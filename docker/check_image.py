@@ -108,6 +108,15 @@ def check_metrics(c: Container) -> None:
     check(bool(drafted) and float(drafted[0].rsplit(" ", 1)[1]) > 0, f"/metrics scraped: {drafted[:1]}")
 
 
+def check_cpu_kernels(c: Container) -> None:
+    """The image has no compiler: the kernels built in its build stage load (x86-64 hosts)."""
+    probe = ("import platform; from specserve.engine.model.cpu_kernels import build; "
+             "print(platform.machine(), build.load() is not None, build.compiler())")
+    machine, loaded, cc = docker("exec", c.name, "python", "-c", probe).split()
+    check(cc == "None" and (loaded == "True" or machine != "x86_64"),
+          f"CPU kernels without a compiler: loaded {loaded} on {machine} (compiler {cc})")
+
+
 def check_healthcheck(c: Container) -> None:
     t0 = time.monotonic()
     while (status := c.state(".State.Health.Status")) == "starting" and time.monotonic() - t0 < START_PERIOD_S:
@@ -169,6 +178,7 @@ def main(image: str) -> None:
         check_chat(c, model)
         rate = check_stream(c, model)
         check_metrics(c)
+        check_cpu_kernels(c)
         check_uid(c)
         check_healthcheck(c)
         check_stop_with_stream(c, model, rate)

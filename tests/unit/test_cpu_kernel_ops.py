@@ -162,3 +162,27 @@ def test_a_failed_build_is_a_warning_not_an_error(monkeypatch, tmp_path, caplog)
         assert not list((tmp_path / "cache").rglob("*.so*"))  # no half-written library left to load later
     finally:
         build.load.cache_clear()
+
+
+def test_without_a_compiler_a_library_built_ahead_for_the_cpus_level_is_used(monkeypatch, tmp_path):
+    cc = build.compiler()
+    build.build(cc, tmp_path / build.prebuilt_name("x86-64-v3"), march="x86-64-v3")  # the Docker image's way
+    (tmp_path / build.prebuilt_name("x86-64-v4").replace(".so", "-old.so")).write_text("a stale library's name")
+    try:
+        build.load.cache_clear()
+        monkeypatch.setattr(build, "compiler", lambda: None)
+        monkeypatch.setenv(build.ENV_PREBUILT, str(tmp_path))
+        flags = set(build._cpu_flags().split())
+        if not flags.issuperset(build.LEVELS["x86-64-v3"]):
+            assert build.load() is None
+            return
+        prebuilt = build.load()
+        assert prebuilt is not None and prebuilt.specserve_kernels_avx512() == 0  # the AVX2 build, not native
+        packed, _, dense = q4_weights(32, 64)
+        x = torch.randn(3, 64)
+        assert torch.allclose(ops.q4_linear(prebuilt, x, *packed, None).double(), x.double() @ dense.T, atol=1e-5)
+        codes, scales, weight = q8_weights(32, 64)  # the portable (non-AVX-512) code of the 8-bit product too
+        assert torch.allclose(ops.q8_linear(prebuilt, x, *ops.pack_q8(codes, scales)).double(),
+                              x.double() @ weight.double().T, atol=1e-5)
+    finally:
+        build.load.cache_clear()

@@ -5,6 +5,10 @@ The library is compiled for the CPU it runs on (`-march=native`) into $SPECSERVE
 source, compiler or CPU builds again; a build takes about a second. Without a compiler, or where the build or cache
 fails, `load()` returns None and says why once: the engine then runs torch's kernels (the same model, slower).
 `SPECSERVE_CPU_KERNELS=0` turns them off.
+
+Without a compiler, libraries built ahead for x86-64 feature levels (`python -m
+specserve.engine.model.cpu_kernels.build DIR`, what the Docker image does in its build stage) are used from
+$SPECSERVE_CPU_KERNELS_DIR: the highest level this CPU has, built from the same source.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ log = logging.getLogger("specserve.engine")
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
+ENV_PREBUILT = "SPECSERVE_CPU_KERNELS_DIR"
+# x86-64 feature levels a prebuilt library may target, best first, with the CPU flags each needs
+LEVELS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+          "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
 
 I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -66,12 +74,30 @@ def _library_name(cc: str) -> str:
     return f"specserve_cpu_{digest.hexdigest()[:16]}.so"
 
 
-def build(cc: str, target: Path) -> None:
+def prebuilt_name(level: str) -> str:
+    return f"specserve_cpu_{level}_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}.so"
+
+
+def _prebuilt() -> Path | None:
+    """The best library built ahead in $SPECSERVE_CPU_KERNELS_DIR that this CPU can run, if any."""
+    directory = os.environ.get(ENV_PREBUILT)
+    if not directory or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = set(_cpu_flags().split())
+    for level, needs in LEVELS.items():
+        path = Path(directory) / prebuilt_name(level)
+        if flags.issuperset(needs) and path.is_file():
+            return path
+    return None
+
+
+def build(cc: str, target: Path, march: str = "native") -> None:
     """Compile into a temporary name and rename it: concurrent first starts never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in FLAGS]
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
@@ -89,14 +115,16 @@ def load() -> ctypes.CDLL | None:
         log.info("cpu kernels: not built for %s; torch's kernels run", platform.machine())
         return None
     cc = compiler()
-    if cc is None:
+    target = None if cc is not None else _prebuilt()
+    if cc is None and target is None:
         log.warning("cpu kernels: no C compiler (cc, gcc, clang or $CC) to build them; torch's kernels run, "
                     "same outputs, slower on CPU")
         return None
     try:
-        target = cache_root() / _library_name(cc)
-        if not target.exists():
-            build(cc, target)
+        if target is None:
+            target = cache_root() / _library_name(cc)
+            if not target.exists():
+                build(cc, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("cpu kernels: could not build or load them (%s); torch's kernels run", exc)
@@ -111,3 +139,26 @@ def for_device(device, compiled: bool = False) -> ctypes.CDLL | None:
     """The kernels for a model on `device`: CPU only, and not under torch.compile (Dynamo cannot trace a ctypes
     call; a compiled forward keeps torch's kernels, which Inductor fuses)."""
     return load() if getattr(device, "type", device) == "cpu" and not compiled else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specserve.engine.model.cpu_kernels.build DIR`: build one library per x86-64 level into DIR (for an
+    image whose runtime has no compiler; point $SPECSERVE_CPU_KERNELS_DIR at DIR)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(main.__doc__, file=sys.stderr)
+        return 2
+    cc = compiler()
+    if cc is None:
+        print("no C compiler", file=sys.stderr)
+        return 1
+    for level in LEVELS:
+        build(cc, Path(args[0]) / prebuilt_name(level), march=level)
+        print(Path(args[0]) / prebuilt_name(level))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
