@@ -1,26 +1,30 @@
-"""A leaner forward for Llama-structured decoder layers whose projections run on the CPU kernels (int4 targets on CPU:
-the demo's default), installed on the layer instances at load.
+"""Faster forwards for Llama-structured decoder layers whose projections run on the CPU kernels (int4 targets on
+CPU: the demo's default), installed on the layer instances at load.
 
-At one stream a 135M target's step is mostly per-operation overhead: HF's layer runs ~100 small torch ops per layer
-(the norm alone is eight). This forward computes the same layer with q/k/v fused into one int4 product and gate/up
-into another (their packed weights concatenated by output blocks; the separate modules keep views of them, no second
-copy), the RMS norm as one fused op in fp32, and HF's own rotary function and the engine's paged attention. The layer
-is still called as a module, so hooks (the hidden-state taps of EAGLE-3, Medusa, DFlash) see its output as before.
+At one stream a 135M target's step was mostly per-operation overhead: HF's layer runs ~100 small torch ops per
+layer (the norm alone is eight). Two forwards replace it:
+- NativeLayer: the whole layer as one kernel call (kernels.c: specserve_llama_layer), fp32 inside, for forwards whose
+  query groups are all short (decode, verification) and while nothing hooks o_proj / down_proj;
+- otherwise (a prefill chunk in the forward, tensor parallelism's all-reduce hooks) an op-by-op lean forward: q/k/v
+  fused into one int4 product and gate/up into another (packed weights concatenated by output blocks; the separate
+  modules keep views of them, no second copy), the RMS norm as one fused op, HF's own rotary function and the
+  engine's paged attention.
+The layer is still called as a module, so hooks on it (the hidden-state taps of EAGLE-3, Medusa, DFlash) see its
+output either way.
 
-Outputs equal the HF layer's up to float rounding order (the norm's reduction, the fused products' blocking is
-per output so unchanged); the engine's exactness is with respect to the model it runs, so greedy speculative output
-still equals greedy plain output of the same engine (tests/engine/test_cpu_kernels.py)."""
+Outputs equal the HF layer's up to float rounding (tests/engine/test_cpu_kernels.py); the engine's exactness is with
+respect to the model it runs, and every path computes a row independently of the other rows, so greedy speculative
+output equals greedy plain output of the same engine."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import ctypes
 
 from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, AttentionMetadata, paged_attention
 from specserve.engine.model.cpu_kernels import ops as cpu_ops

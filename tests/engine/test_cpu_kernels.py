@@ -10,6 +10,7 @@ from specserve.engine.model.cpu_kernels import build
 from specserve.engine.model.fast_layers import FusedInt4, NativeLayer
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.model.quantize import Int4Linear
+from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
 from tests.engine.test_greedy_exactness import PROMPTS
 from tests.engine.test_quantization import GREEDY
@@ -84,3 +85,20 @@ def test_switched_off_the_engine_runs_torch_kernels(tiny, monkeypatch):
         assert len(run(core, PROMPTS[:2], GREEDY)[0].output_token_ids) == GREEDY.max_tokens
     finally:
         build.load.cache_clear()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_layers_run_fused_and_stay_exact(tmp_path, family):
+    """q/k/v biases (Qwen2) and sliding-window layers (both: their masks) through the fused layer: the model as its
+    own draft, greedy, equals plain decoding."""
+    from tests.tiny_families import prompts, save_family
+
+    path = save_family(family, tmp_path)
+    plain = make_core(path, quantization="int4", block_size=4)
+    assert all("forward" in vars(layer) for layer in decoder_layers(plain.target.model))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.output_token_ids for o in run(plain, prompts(), params)]
+    core = make_core(path, path, k=3, quantization="int4", block_size=4, max_num_batched_tokens=8)
+    outs = run(core, prompts(), params, join_after=2, join_from=1)
+    assert [o.output_token_ids for o in outs] == expected
+    assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
