@@ -66,23 +66,59 @@ class FusedInt4(nn.Module):
         return y.view(*shape[:-1], -1).split(self.sizes, dim=-1)
 
 
+class FusedDense(nn.Module):
+    """Several dense bf16 nn.Linear layers that read the same input, as one [sum N, K] weight; the originals'
+    weights (and biases) become views into it (no second copy). The fp32 bias is what the kernel adds."""
+
+    def __init__(self, layers: list[nn.Linear], kernels):
+        super().__init__()
+        self.kernels, self.sizes = kernels, [m.out_features for m in layers]
+        self.weight = torch.cat([m.weight.detach() for m in layers]).contiguous()
+        has_bias = any(m.bias is not None for m in layers)
+        self.bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                               for m in layers]) if has_bias else None
+        self.bias_f32 = None if self.bias is None else self.bias.float()
+        start = 0
+        for m in layers:
+            end = start + m.out_features
+            m.weight = nn.Parameter(self.weight[start:end], requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(self.bias[start:end], requires_grad=False)
+            start = end
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def _dense_bf16(*modules) -> bool:
+    return all(type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.in_features % cpu_ops.GROUP == 0
+               and m.weight.is_contiguous() for m in modules)
+
+
 def _on_kernels(*modules) -> bool:
     return all(isinstance(m, Int4Linear) and m.kernels is not None and m.dense_from_rows is None for m in modules)
 
 
-def fits(layer: nn.Module) -> bool:
-    """A Llama-structured layer whose seven projections are int4 on the kernels, with SiLU and RMS norms."""
+def fits(layer: nn.Module, kernels) -> int | None:
+    """A Llama-structured layer with SiLU and RMS norms whose seven projections are int4 on the kernels (-> INT4)
+    or dense bf16 with `kernels` given (-> DENSE_BF16); None otherwise."""
     if type(layer).__name__ not in LLAMA_LAYERS:
-        return False
+        return None
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     try:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
     except AttributeError:
-        return False
-    return (_on_kernels(*projections) and type(mlp.act_fn).__name__ in SILU
-            and all(hasattr(n, "variance_epsilon") and n.weight.dim() == 1 for n in norms)
-            and hasattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb"))
+        return None
+    if not (type(mlp.act_fn).__name__ in SILU and all(hasattr(n, "variance_epsilon") and n.weight.dim() == 1
+                                                      for n in norms)
+            and hasattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb")):
+        return None
+    if _on_kernels(*projections):
+        return cpu_ops.INT4
+    if kernels is not None and _dense_bf16(*projections):
+        return cpu_ops.DENSE_BF16
+    return None
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -96,7 +132,7 @@ class NativeLayer:
     groups are all short (decode, verification) and while nothing hooks o_proj or down_proj (tensor parallelism's
     all-reduce does); otherwise the layer runs the op-by-op lean forward."""
 
-    def __init__(self, layer: nn.Module, fused: dict):
+    def __init__(self, layer: nn.Module, fused: dict, kind: int):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gate_up = fused["qkv"], fused["gate_up"]
         self.kernels, self.layer_idx, self.head_dim = qkv.kernels, attn.layer_idx, attn.head_dim
@@ -107,11 +143,16 @@ class NativeLayer:
                       attn.o_proj, mlp.down_proj)  # what the C struct points into
 
         def view(m):
+            if kind == cpu_ops.DENSE_BF16:
+                bias = getattr(m, "bias_f32", None) if isinstance(m, FusedDense) else \
+                    (None if m.bias is None else m.bias.float())
+                self._keep += (bias,)
+                return cpu_ops.dense_weights(m.weight, bias)
             return cpu_ops.q4_weights(m.q4_codes, m.q4_scales, m.q4_minima, m.bias_bits)
         self.weights = cpu_ops.LayerWeights(
             layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
             layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon, attn.scaling,
-            cpu_ops.DTYPE_CODES[self.dtype], 0, attn.o_proj.out_features, qkv.sizes[0] // attn.head_dim,
+            cpu_ops.DTYPE_CODES[self.dtype], 0, kind, attn.o_proj.out_features, qkv.sizes[0] // attn.head_dim,
             self.kv_heads, attn.head_dim, mlp.down_proj.in_features, view(qkv), view(attn.o_proj), view(gate_up),
             view(mlp.down_proj))
         self._weights_ptr = ctypes.addressof(self.weights)
@@ -176,21 +217,27 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     return hidden_states + self.mlp.down_proj(F.silu(gate) * up)
 
 
-def speed_up_layers(model: nn.Module) -> int:
-    """Install the lean forward on every decoder layer that fits; -> how many."""
+def speed_up_layers(model: nn.Module, kernels=None) -> int:
+    """Install the faster forwards on every decoder layer that fits; -> how many. `kernels`: also dense bf16
+    layers (int4 layers carry their own)."""
     try:
         layers = decoder_layers(model)
     except ValueError:
         return 0
     done = 0
     for layer in layers:
-        if not fits(layer):
+        kind = fits(layer, kernels)
+        if kind is None:
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        layer.specserve_fused = {"qkv": FusedInt4([attn.q_proj, attn.k_proj, attn.v_proj]),
-                                 "gate_up": FusedInt4([mlp.gate_proj, mlp.up_proj]),
-                                 "rotary": sys.modules[type(layer).__module__].apply_rotary_pos_emb}
-        layer.specserve_native = NativeLayer(layer, layer.specserve_fused)
+        if kind == cpu_ops.INT4:
+            fused = {"qkv": FusedInt4([attn.q_proj, attn.k_proj, attn.v_proj]),
+                     "gate_up": FusedInt4([mlp.gate_proj, mlp.up_proj])}
+        else:
+            fused = {"qkv": FusedDense([attn.q_proj, attn.k_proj, attn.v_proj], kernels),
+                     "gate_up": FusedDense([mlp.gate_proj, mlp.up_proj], kernels)}
+        layer.specserve_fused = fused | {"rotary": sys.modules[type(layer).__module__].apply_rotary_pos_emb}
+        layer.specserve_native = NativeLayer(layer, layer.specserve_fused, kind)
         layer.forward = types.MethodType(_forward, layer)
         done += 1
     return done

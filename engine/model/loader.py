@@ -141,7 +141,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
         keep_q8_head(model, kernels)  # a GGUF's Q8_0 head stays 8-bit on the CPU kernels
         model = model.to(dtype)  # the rest (embeddings, norms, the head); int codes keep their dtype
         release_freed_memory()  # the fp32 weights it was quantized from
-        speed_up_layers(model)  # Llama-structured layers on the kernels: fused projections, fewer ops
+        speed_up_layers(model)  # Llama-structured layers on the kernels: one call a layer, fused projections
+    elif cpu_kernels and dtype == torch.bfloat16:
+        speed_up_layers(model, for_device(device))  # the same for a bf16 model's dense layers, on CPU
     return model.to(device).eval()
 
 

@@ -7,7 +7,7 @@ import torch
 
 from specserve.engine.model.attention import SeqChunk
 from specserve.engine.model.cpu_kernels import build
-from specserve.engine.model.fast_layers import FusedInt4, NativeLayer
+from specserve.engine.model.fast_layers import FusedDense, FusedInt4, NativeLayer
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.model.quantize import Int4Linear
 from specserve.engine.sampling_params import SamplingParams
@@ -34,10 +34,9 @@ def test_an_int4_llama_runs_its_layers_projections_and_attention_on_the_kernels(
     assert torch.equal(qkv(x)[0], q_proj(x)) and torch.equal(qkv(x)[2], layers[0].self_attn.v_proj(x))
 
 
-def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch):
-    """The whole layer in one kernel call, the op-by-op lean forward and HF's own forward, on the same weights and
-    kernels: equal up to fp32 rounding, for a prefill chunk of 5 then 3 decode/verify rows on its K/V."""
-    core = make_core(tiny["llama"], quantization="int4")
+def three_forwards(core, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits of a prefill chunk of 5 then 3 decode/verify rows on its K/V, computed with the whole layer in one
+    kernel call, with the op-by-op lean forward, and with HF's own forward (same modules and kernels)."""
     runner = core.target
     ids = torch.tensor([5, 9, 2, 7, 7, 3, 1, 4])
     table = core.allocator.allocate(core.allocator.blocks_for(len(ids)))
@@ -48,17 +47,36 @@ def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch):
         return torch.cat([runner.forward(ids[:5], chunks[:1], rows[:5]), runner.forward(ids[5:], chunks[1:], rows[:3])])
     calls = []
     run_native = NativeLayer.run
-    monkeypatch.setattr(NativeLayer, "run", lambda self, *a: calls.append(1) or run_native(self, *a))
-    fused = both_calls()
-    assert len(calls) == 2 * len(decoder_layers(runner.model))  # every layer of both forwards ran as one call
-    monkeypatch.setattr(NativeLayer, "usable", lambda self, *a: False)
-    lean = both_calls()
-    for layer in decoder_layers(runner.model):  # back to HF's forward (the class's), same modules and kernels
+    with monkeypatch.context() as patch:
+        patch.setattr(NativeLayer, "run", lambda self, *a: calls.append(1) or run_native(self, *a))
+        fused = both_calls()
+        assert len(calls) == 2 * len(decoder_layers(runner.model))  # every layer of both forwards ran as one call
+        patch.setattr(NativeLayer, "usable", lambda self, *a: False)
+        lean = both_calls()
+    for layer in decoder_layers(runner.model):  # back to HF's forward (the class's)
         del layer.forward
     hf = both_calls()
+    assert not torch.equal(hf, torch.zeros_like(hf))
+    return fused, lean, hf
+
+
+def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch):
+    fused, lean, hf = three_forwards(make_core(tiny["llama"], quantization="int4"), monkeypatch)
     assert torch.allclose(lean, hf, atol=1e-5, rtol=1e-5)
     assert torch.allclose(fused, hf, atol=1e-4, rtol=1e-4)
-    assert not torch.equal(hf, torch.zeros_like(hf))
+
+
+def test_a_bf16_llama_runs_its_dense_layers_fused(tiny, monkeypatch):
+    core = make_core(tiny["llama"], dtype="bfloat16")
+    layers = decoder_layers(core.target.model)
+    qkv = layers[0].specserve_fused["qkv"]
+    assert isinstance(qkv, FusedDense) and qkv.weight.dtype == torch.bfloat16
+    assert layers[0].self_attn.k_proj.weight.data_ptr() == qkv.weight[64:].data_ptr()  # views, no second copy
+    fused, lean, hf = three_forwards(core, monkeypatch)
+    scale = hf.abs().max().item()
+    assert (fused - hf).abs().max().item() < 0.05 * scale  # bf16: HF rounds after every op, the kernel once a layer
+    assert (lean - hf).abs().max().item() < 0.05 * scale
+    assert len(run(core, PROMPTS[:2], GREEDY)[0].output_token_ids) == GREEDY.max_tokens
 
 
 def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny):

@@ -60,7 +60,7 @@ static void store_row(const float *src, int dtype, int64_t n, void *dst) {
     }
 }
 
-int specserve_kernels_version(void) { return 6; }
+int specserve_kernels_version(void) { return 7; }
 
 int specserve_kernels_avx512(void) {
 #ifdef SPECSERVE_AVX512
@@ -179,6 +179,51 @@ static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out
     free(sums);
 }
 
+/* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias) for W [N, K] bf16 row-major (a dense layer of a
+ * bf16 model, which multiplies bf16 activations): products exact in fp32, fp32 sums; K a multiple of 32.
+ * Q4Weights carries it: codes = W, scales and minima unused. */
+static void bf16_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    const int64_t K = w->K, N = w->N;
+    const uint16_t *W = (const uint16_t *)w->codes;
+    uint16_t *xb = (uint16_t *)malloc((size_t)(R * K) * sizeof(uint16_t));
+    for (int64_t i = 0; i < R * K; i++) xb[i] = f32_to_bf16(xs[i]);
+#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *wn = W + n * K;
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const int rows = (int)(R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK);
+            float acc[ROW_BLOCK] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if defined(__AVX512BF16__)
+            __m512 v[ROW_BLOCK];
+            for (int r = 0; r < rows; r++) v[r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m512bh wk = (__m512bh)_mm512_loadu_si512((const void *)(wn + k));
+                for (int r = 0; r < rows; r++)
+                    v[r] = _mm512_dpbf16_ps(v[r], wk, (__m512bh)_mm512_loadu_si512((const void *)(xb + (r0 + r) * K + k)));
+            }
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_reduce_add_ps(v[r]);
+#else
+            for (int r = 0; r < rows; r++) {
+                const uint16_t *xr = xb + (r0 + r) * K;
+                float s = 0.0f;
+                for (int64_t k = 0; k < K; k++) s += bf16_to_f32(wn[k]) * bf16_to_f32(xr[k]);
+                acc[r] = s;
+            }
+#endif
+            for (int r = 0; r < rows; r++) out[(r0 + r) * N + n] = acc[r] + (w->bias ? w->bias[n] : 0.0f);
+        }
+    }
+    free(xb);
+}
+
+/* the layer's products: int4 (kind 0) or dense bf16 (kind 1) */
+static void linear(int kind, const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    if (kind == 1)
+        bf16_matmul(xs, R, w, out);
+    else
+        q4_matmul(xs, R, w, out);
+}
+
 /* x [R, K] (dtype), codes [N / 16, G, 16, 16] (ops.pack_q4), scales and minima [N / 16, G, 16] fp32, bias [N] fp32
  * or NULL -> y [R, N] (dtype). N a multiple of 16, K of 32. */
 void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
@@ -189,6 +234,16 @@ void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const u
     for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
     q4_matmul(xs, R, &w, out);
     for (int64_t r = 0; r < R; r++) store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
+    free(xs);
+}
+
+/* x [R, K] (dtype) -> y [R, N] fp32 through bf16_matmul (W [N, K] bf16, bias fp32 or NULL). */
+void specserve_bf16_linear(const void *x, int dtype, int64_t R, int64_t K, const uint16_t *W, const float *bias,
+                           int64_t N, float *y) {
+    const Q4Weights w = {(const uint8_t *)W, NULL, NULL, bias, K, N};
+    float *xs = (float *)malloc((size_t)(R * K) * sizeof(float));
+    for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
+    bf16_matmul(xs, R, &w, y);
     free(xs);
 }
 
@@ -366,7 +421,7 @@ void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int6
 typedef struct {
     const void *input_norm, *post_norm; /* [H] (dtype) */
     float input_eps, post_eps, scale;
-    int32_t dtype, kv_dtype;
+    int32_t dtype, kv_dtype, kind; /* kind: the projections' format (0 int4, 1 dense bf16) */
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     Q4Weights qkv, o, gate_up, down;
 } LayerWeights;
@@ -419,7 +474,7 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
         load_row((const char *)x + t * H * esize, w->dtype, H, res + t * H);
         rms_norm(res + t * H, w->input_norm, w->dtype, w->input_eps, H, h + t * H);
     }
-    q4_matmul(h, T, &w->qkv, qkv);
+    linear(w->kind, h, T, &w->qkv, qkv);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * qkv_width, *cos = trig, *sin = trig + D;
         load_row((const char *)f->cos + t * D * esize, w->dtype, D, cos);
@@ -434,17 +489,17 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
         attend(qkv, 0, qkv_width, w->heads, w->kv_heads, D, k_pool, v_pool, w->kv_dtype, v->slots, v->mask, v->qmax,
                v->length, v->token_index, v->output_index, v->n, w->scale, att, 0, q_width);
     }
-    q4_matmul(att, T, &w->o, tmp);
+    linear(w->kind, att, T, &w->o, tmp);
     for (int64_t i = 0; i < T * H; i++) res[i] += tmp[i];
     for (int64_t t = 0; t < T; t++) rms_norm(res + t * H, w->post_norm, w->dtype, w->post_eps, H, h + t * H);
-    q4_matmul(h, T, &w->gate_up, gu);
+    linear(w->kind, h, T, &w->gate_up, gu);
     for (int64_t t = 0; t < T; t++) { /* silu(gate) * up, into the gate half */
         float *row = gu + t * 2 * I;
         for (int64_t i = 0; i < I; i++) row[i] = row[i] / (1.0f + expf(-row[i])) * row[I + i];
     }
     float *act = (float *)malloc((size_t)(T * I) * sizeof(float));
     for (int64_t t = 0; t < T; t++) memcpy(act + t * I, gu + t * 2 * I, (size_t)I * sizeof(float));
-    q4_matmul(act, T, &w->down, tmp);
+    linear(w->kind, act, T, &w->down, tmp);
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
         store_row(res + t * H, w->dtype, H, (char *)y + t * H * esize);

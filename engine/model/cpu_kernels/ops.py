@@ -142,7 +142,7 @@ class Q4Weights(ctypes.Structure):
 
 class LayerWeights(ctypes.Structure):
     _fields_ = [("input_norm", PTR_), ("post_norm", PTR_), ("input_eps", F32_), ("post_eps", F32_), ("scale", F32_),
-                ("dtype", I32_), ("kv_dtype", I32_), ("hidden", I64_), ("heads", I64_), ("kv_heads", I64_),
+                ("dtype", I32_), ("kv_dtype", I32_), ("kind", I32_), ("hidden", I64_), ("heads", I64_), ("kv_heads", I64_),
                 ("head_dim", I64_), ("intermediate", I64_), ("qkv", Q4Weights), ("o", Q4Weights),
                 ("gate_up", Q4Weights), ("down", Q4Weights)]
 
@@ -155,6 +155,28 @@ class QueryGroupView(ctypes.Structure):
 class ForwardView(ctypes.Structure):
     _fields_ = [("tokens", I64_), ("cos", PTR_), ("sin", PTR_), ("write_slots", PTR_), ("groups", I64_),
                 ("group", QueryGroupView * 2)]
+
+
+INT4, DENSE_BF16 = 0, 1  # LayerWeights.kind
+
+
+def dense_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> Q4Weights:
+    """The C view of a dense bf16 [N, K] weight (and fp32 bias), which must outlive it."""
+    n, k = weight.shape
+    return Q4Weights(weight.data_ptr(), None, None, _ptr(bias), k, n)
+
+
+def bf16_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [R, K] (fp32 or bf16, rounded to bf16) -> [R, N] fp32 with weight [N, K] bf16, bias [N] fp32 or None."""
+    x, rows = x.contiguous(), x.shape[0]
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or not weight.is_contiguous() or x.shape[1] != k or k % GROUP
+            or x.dtype not in DTYPE_CODES):
+        raise ValueError(f"bf16_linear: x {tuple(x.shape)} {x.dtype} does not fit weights {tuple(weight.shape)}")
+    y = torch.empty(rows, n, dtype=torch.float32)
+    lib.specserve_bf16_linear(x.data_ptr(), DTYPE_CODES[x.dtype], rows, k, weight.data_ptr(), _ptr(bias), n,
+                              y.data_ptr())
+    return y
 
 
 def q4_weights(codes: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor, bias: torch.Tensor | None
