@@ -186,3 +186,17 @@ def test_without_a_compiler_a_library_built_ahead_for_the_cpus_level_is_used(mon
                               x.double() @ weight.double().T, atol=1e-5)
     finally:
         build.load.cache_clear()
+
+
+def test_bf16_linear_is_the_product_of_bf16_activations_row_by_row():
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 96, generator=g).bfloat16()
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(7, 96, generator=g)
+    y = ops.bf16_linear(lib, x, weight, bias)
+    expected = x.bfloat16().double() @ weight.double().T + bias.double()  # the activations as a bf16 model has them
+    assert torch.allclose(y.double(), expected, atol=1e-5)
+    for r in range(7):
+        assert torch.equal(ops.bf16_linear(lib, x[r:r + 1], weight, bias)[0], y[r])
+    with pytest.raises(ValueError, match="bf16_linear"):
+        ops.bf16_linear(lib, x, weight.float(), bias)
