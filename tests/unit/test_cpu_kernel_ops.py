@@ -184,6 +184,9 @@ def test_without_a_compiler_a_library_built_ahead_for_the_cpus_level_is_used(mon
         codes, scales, weight = q8_weights(32, 64)  # the portable (non-AVX-512) code of the 8-bit product too
         assert torch.allclose(ops.q8_linear(prebuilt, x, *ops.pack_q8(codes, scales)).double(),
                               x.double() @ weight.double().T, atol=1e-5)
+        dense = torch.randn(16, 64).bfloat16()
+        assert torch.allclose(ops.bf16_linear(prebuilt, x, dense, None).double(),
+                              x.bfloat16().double() @ dense.double().T, atol=1e-5)
     finally:
         build.load.cache_clear()
 

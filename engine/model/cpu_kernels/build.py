@@ -33,8 +33,10 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 ENV_PREBUILT = "SPECSERVE_CPU_KERNELS_DIR"
 # x86-64 feature levels a prebuilt library may target, best first, with the CPU flags each needs
-LEVELS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+LEVELS = {"x86-64-v4-bf16": V4 + ("avx512_bf16",), "x86-64-v4": V4,
           "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
+MARCH = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}  # otherwise -march=<level>
 
 I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -96,7 +98,7 @@ def build(cc: str, target: Path, march: str = "native") -> None:
     """Compile into a temporary name and rename it: concurrent first starts never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-    flags = [f if f != "-march=native" else f"-march={march}" for f in FLAGS]
+    flags = [g for f in FLAGS for g in ([f] if f != "-march=native" else MARCH.get(march, [f"-march={march}"]))]
     try:
         done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
                               timeout=300)
