@@ -143,7 +143,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
         release_freed_memory()  # the fp32 weights it was quantized from
         speed_up_layers(model)  # Llama-structured layers on the kernels: one call a layer, fused projections
     elif cpu_kernels and dtype == torch.bfloat16:
-        speed_up_layers(model, for_device(device))  # the same for a bf16 model's dense layers, on CPU
+        if speed_up_layers(model, for_device(device)):  # the same for a bf16 model's dense layers, on CPU
+            release_freed_memory()  # the q/k/v and gate/up weights the fused copies replaced
     return model.to(device).eval()
 
 
