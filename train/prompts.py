@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -60,6 +61,18 @@ PROMPT_SOURCES = {
 }
 
 
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")  # lines with their ends, split as ast splits them
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(source, node) (unpadded) from the source's lines; pure."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    return "".join([lines[first].encode()[node.col_offset:].decode(), *lines[first + 1:last],
+                    lines[last].encode()[:node.end_col_offset].decode()])
+
+
 def _stdlib_snippets(rng: random.Random, n: int, max_chars: int = 700) -> list[str]:
     """Docstrings and short functions of this Python's standard library (present on every machine)."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -72,11 +85,12 @@ def _stdlib_snippets(rng: random.Random, n: int, max_chars: int = 700) -> list[s
             source = path.read_text(encoding="utf-8")
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
+        lines = _LINE.findall(source)  # once per file: ast.get_source_segment splits the whole file per call
         for node in ast.walk(tree):
             if len(out) >= n:
                 return out
             if isinstance(node, ast.FunctionDef):
-                seg = ast.get_source_segment(source, node) or ""
+                seg = _segment(lines, node)
                 if 120 < len(seg) < max_chars:
                     out.append(seg)
             elif isinstance(node, ast.Module | ast.ClassDef):
