@@ -81,8 +81,8 @@ def _stdlib_snippets(rng: random.Random, n: int, max_chars: int = 700) -> list[s
     out: list[str] = []
     for path in files:
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
             source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, OSError):
             continue
         lines = _LINE.findall(source)  # once per file: ast.get_source_segment splits the whole file per call

@@ -110,15 +110,6 @@ class Int4Linear(PackedLinear):
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1)
                              .contiguous().to(dtype))  # [K / group, N, 2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is None or (self.dense_from_rows is not None and x.numel() >= self.dense_from_rows
-                                    * self.in_features) or x.dtype not in cpu_ops.DTYPE_CODES:
-            return super().forward(x)
-        shape = x.shape
-        y = cpu_ops.q4_linear(self.kernels, x.reshape(-1, shape[-1]), self.q4_codes, self.q4_scales,
-                              self.q4_minima, self.bias_bits)  # the bias is added in the kernel
-        return y.view(*shape[:-1], self.out_features)
-
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return cpu_ops.q4_linear(self.kernels, x, self.q4_codes, self.q4_scales, self.q4_minima, None)

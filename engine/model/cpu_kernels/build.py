@@ -138,10 +138,10 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def for_device(device, compiled: bool = False) -> ctypes.CDLL | None:
-    """The kernels for a model on `device`: CPU only, and not under torch.compile (Dynamo cannot trace a ctypes
-    call; a compiled forward keeps torch's kernels, which Inductor fuses)."""
-    return load() if getattr(device, "type", device) == "cpu" and not compiled else None
+def for_device(device) -> ctypes.CDLL | None:
+    """The kernels for a model on `device`: CPU only. (Callers keep them out of torch.compile: Dynamo cannot trace a
+    ctypes call; a compiled forward keeps torch's kernels, which Inductor fuses.)"""
+    return load() if getattr(device, "type", device) == "cpu" else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -467,9 +467,9 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
     const int64_t T = f->tokens, H = w->hidden, D = w->head_dim, I = w->intermediate;
     const int64_t q_width = w->heads * D, kv_width = w->kv_heads * D, qkv_width = q_width + 2 * kv_width;
     const int esize = w->dtype ? 2 : 4, kv_esize = w->kv_dtype ? 2 : 4;
-    float *res = (float *)malloc((size_t)(T * (3 * H + qkv_width + q_width + 2 * I + 2 * D)) * sizeof(float));
+    float *res = (float *)malloc((size_t)(T * (3 * H + qkv_width + q_width + 3 * I) + 2 * D) * sizeof(float));
     float *h = res + T * H, *tmp = h + T * H, *qkv = tmp + T * H, *att = qkv + T * qkv_width;
-    float *gu = att + T * q_width, *trig = gu + T * 2 * I;
+    float *gu = att + T * q_width, *act = gu + T * 2 * I, *trig = act + T * I;
     for (int64_t t = 0; t < T; t++) {
         load_row((const char *)x + t * H * esize, w->dtype, H, res + t * H);
         rms_norm(res + t * H, w->input_norm, w->dtype, w->input_eps, H, h + t * H);
@@ -493,17 +493,14 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
     for (int64_t i = 0; i < T * H; i++) res[i] += tmp[i];
     for (int64_t t = 0; t < T; t++) rms_norm(res + t * H, w->post_norm, w->dtype, w->post_eps, H, h + t * H);
     linear(w->kind, h, T, &w->gate_up, gu);
-    for (int64_t t = 0; t < T; t++) { /* silu(gate) * up, into the gate half */
-        float *row = gu + t * 2 * I;
-        for (int64_t i = 0; i < I; i++) row[i] = row[i] / (1.0f + expf(-row[i])) * row[I + i];
+    for (int64_t t = 0; t < T; t++) { /* silu(gate) * up: the down projection's input */
+        const float *row = gu + t * 2 * I;
+        for (int64_t i = 0; i < I; i++) act[t * I + i] = row[i] / (1.0f + expf(-row[i])) * row[I + i];
     }
-    float *act = (float *)malloc((size_t)(T * I) * sizeof(float));
-    for (int64_t t = 0; t < T; t++) memcpy(act + t * I, gu + t * 2 * I, (size_t)I * sizeof(float));
     linear(w->kind, act, T, &w->down, tmp);
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
         store_row(res + t * H, w->dtype, H, (char *)y + t * H * esize);
     }
-    free(act);
     free(res);
 }
