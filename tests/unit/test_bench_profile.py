@@ -3,7 +3,9 @@ original back (a profile must not leave the engine instrumented)."""
 
 import types
 
-from bench.step_profile import PhaseTimer
+import pytest
+
+from bench.step_profile import PhaseTimer, setting_k
 
 
 class Thing:
@@ -24,3 +26,9 @@ def test_phase_timer_times_and_restores_instance_class_and_module_attributes():
     assert all(s >= 0 for s in timer.seconds.values())
     timer.restore()
     assert "work" not in vars(thing) and Thing.work is original_work and module.helper is original_helper
+
+
+def test_settings_name_plain_auto_or_a_fixed_k():
+    assert (setting_k("plain"), setting_k("default"), setting_k("k=3")) == (0, None, 3)
+    with pytest.raises(SystemExit):
+        setting_k("k=two")

@@ -21,7 +21,8 @@ def test_quantized_peers_serve_the_demo_target():
     cmds = peer_commands(args, Path("/x/smollm2-135m-instruct-bfloat16"), 8000)
     assert "--model" not in cmds["specserve-int4"] and cmds["specserve-int4"][-3:] == [
         "int4", "--speculative-method", "none"]
-    assert cmds["specserve-int4-eagle3"][-2:] == ["--quantization", "int4"]
+    assert cmds["specserve-int4-default"][-2:] == ["--quantization", "int4"]  # the device's demo default method
+    assert cmds["specserve-int4-eagle3"][-4:] == ["--quantization", "int4", "--speculative-method", "eagle3"]
     assert "--model" in cmds["specserve-plain"]
     from specserve.config.loader import HELP
     assert "quantization" in HELP
@@ -38,3 +39,21 @@ def test_weight_bytes_count_packed_buffers():
     dense = weight_bytes(model)
     quantize_linears(model, "int4", torch.float32)
     assert 0 < weight_bytes(model) < dense
+
+
+def test_peer_rounds_report_the_median_round_and_per_round_ratios():
+    from bench.peers import merge_rounds, ratio_table, round_ratios
+
+    def run(peer, *speeds):
+        return {"peer": peer, "rows": [{"concurrency": c, "tokens_per_s": v} for c, v in zip((1, 4), speeds)]}
+    runs = {"llama.cpp": [run("llama.cpp", 100, 100), run("llama.cpp", 50, 100), run("llama.cpp", 80, 100)],
+            "specserve-int4": [run("specserve-int4", 110, 150), run("specserve-int4", 60, 300),
+                               {"peer": "specserve-int4", "error": "exited with 1"}]}
+    merged = merge_rounds(runs["llama.cpp"])
+    assert [r["tokens_per_s"] for r in merged["rows"]] == [80, 100] and merged["rounds"] == 3
+    assert merged["rows"][0]["tokens_per_s_rounds"] == [50, 80, 100]
+    ratios = round_ratios(runs, "llama.cpp")  # a failed round drops out; rounds pair up by position
+    assert ratios["by_peer"]["specserve-int4"] == {"1": 1.15, "4": 2.25}
+    assert "| specserve-int4 | 1.15x | 2.25x |" in ratio_table({"concurrency": [1, 4], "ratios": ratios})
+    assert round_ratios({"specserve-int4": runs["specserve-int4"]}, "llama.cpp") == {}
+    assert merge_rounds([{"peer": "x", "error": "e"}]) == {"peer": "x", "error": "e"}
