@@ -6,11 +6,24 @@ import json
 from dataclasses import dataclass, fields
 
 GiB = 1 << 30
-# The demo target's default method: the best measured on it (docs/benchmarks.md, "EAGLE-3 vs the other
-# methods": the highest acceptance of the learned proposers on held-out chat, 1.51x plain at 4 streams). A
-# --draft-model without a method gets the draft model.
+# The demo target's default method, the best measured on each kind of device (docs/benchmarks.md): on a GPU the
+# EAGLE-3 drafter (the highest acceptance of the learned proposers on held-out chat); on CPU n-gram prompt lookup,
+# whose drafts cost nothing to make: there every verified row costs ~15-25% of a step (the int4 kernels are
+# compute-bound), so EAGLE-3's drafting and hidden-state upkeep cost about what its 0.3-0.5 acceptance saves (0.95-
+# 1.06x plain through the server), while n-gram lookup runs 1.09-1.15x plain at 1 to 16 streams ("The CPU default
+# method"). A --draft-model without a method gets the draft model.
 DEMO_METHOD = "eagle3"
+DEMO_CPU_METHOD = "ngram"
 AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/spec_decode/adaptive.py)
+
+
+def demo_method(device: str) -> str:
+    """The demo target's default method on `device` ("auto": CUDA when torch sees a GPU, as the engine resolves it)."""
+    if device == AUTO:
+        import torch  # here, not at the top: only the demo default needs to know the device
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return DEMO_METHOD if str(device).startswith("cuda") else DEMO_CPU_METHOD
 
 
 def parse_k(value, field: str = "num_speculative_tokens", minimum: int = 0) -> int | str:
@@ -116,7 +129,7 @@ class EngineConfig:
     model: str | None = None  # HF directory, hub id or .gguf file; None: the demo target (SmolLM2 GGUF)
     draft_model: str | None = None  # None with model=None: the bundled demo draft
     speculative_method: str | None = None  # a registry name or "none"; None: "draft" with a draft model, the demo
-    # target's DEMO_METHOD without one
+    # target's demo_method(device) without one
     num_speculative_tokens: int | str = AUTO  # "auto": k adapts per request and step; an int fixes it; 0: off
     max_speculative_tokens: int = 4  # the ceiling of "auto" (and the KV sizing for it)
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
@@ -200,7 +213,7 @@ class EngineConfig:
             return ()
         method = self.speculative_method
         if method is None and self.model is None and self.draft_model is None:
-            method = DEMO_METHOD
+            method = demo_method(self.device)
         elif method is None:
             method = "draft" if self.draft_model is not None else "none"
         if method.strip().lower() == "none":

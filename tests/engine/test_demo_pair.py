@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from specserve.config.schema import demo_method
 from specserve.engine import LLM, SamplingParams
 from specserve.engine.model.loader import demo_target_gguf, models_dir, tiny_pair_paths
 
@@ -95,7 +96,8 @@ def test_cli_generate_without_model_flags_offline():
                            "--kv-cache-memory", str(64 << 20), "The capital of France is"], capture_output=True,
                           text=True, timeout=300, env=os.environ | OFFLINE)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("The capital of France is") and "method=eagle3" in proc.stderr  # the demo default
+    # the demo default of this machine's device (ngram on CPU, eagle3 on a GPU)
+    assert proc.stdout.startswith("The capital of France is") and f"method={demo_method('auto')}" in proc.stderr
 
 
 def test_serve_without_the_demo_package_says_how_to_install(monkeypatch, capsys):

@@ -8,6 +8,7 @@ import os
 from unittest import mock
 
 import pytest
+import torch
 
 from specserve.config.loader import _convert, add_config_flags, build_config, parse_size
 from specserve.config.schema import AppConfig, EngineConfig, GiB, ServerConfig
@@ -241,3 +242,15 @@ def test_unknown_or_repeated_methods_are_refused_before_anything_loads(tmp_path,
     assert "speculative_config.method: method 'ngram' is listed twice" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--speculative-config", '{"method": "ngram", "k": 2}']) == 2
     assert "speculative_config.k: unknown key" in capsys.readouterr().err
+
+
+def test_the_demo_default_method_follows_the_device():
+    # on CPU the drafts that cost nothing win (docs/benchmarks.md, "The CPU default method"); on a GPU EAGLE-3
+    assert EngineConfig(device="cpu").method == "ngram" and EngineConfig(device="cuda").method == "eagle3"
+    assert EngineConfig(device="cuda:1").method == "eagle3"
+    assert EngineConfig().method == ("eagle3" if torch.cuda.is_available() else "ngram")  # auto: as the engine
+    # a model of the user's, a draft model, or an explicit method: the device does not choose
+    assert EngineConfig(model="m", device="cpu").method == "none"
+    assert EngineConfig(draft_model="d", device="cpu").method == "draft"
+    assert EngineConfig(device="cpu", speculative_method="eagle3").method == "eagle3"
+    assert EngineConfig(device="cpu", num_speculative_tokens=0).method == "none"
