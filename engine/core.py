@@ -245,7 +245,7 @@ class EngineCore:
         """schedule -> propose -> forward -> verify -> update, each a call into the part that owns it; stats are
         collected beside."""
         t0 = time.perf_counter()
-        self.controller.plan(self.scheduler.running)
+        self.controller.plan(self.scheduler.running, self.router.population)
         sched = self.scheduler.schedule()
         self._apply_preemptions_and_cache_hits(sched)
         stats = StepStats(num_preempted=len(sched.preempted), prefix_cache_queries=sched.prefix_queries,

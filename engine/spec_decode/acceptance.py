@@ -11,6 +11,11 @@ population and for each request, combined like a Beta posterior whose prior is t
   (`REQUEST_DECAY` per step, whether it speculated or not) — so a request that stopped speculating drifts back to
   its population's estimate within a few steps instead of being parked by a bad start.
 
+A population is named by a key: the method's name, or a refinement a proposer offers for one step of one request
+(`ProposerBase.population`: n-gram lookup names the length of the suffix it matched, "ngram/4"), whose prior is the
+method's pooled estimate (every refinement's rows feed the pool too); a tree method's refinements are trees. A
+request keeps its own evidence per key.
+
 The same rule and constants hold for every method: no per-method rates.
 """
 
@@ -46,16 +51,19 @@ class AcceptanceTracker:
         self.k_max = max(1, k_max)
         self.tree_methods = tree_methods
         self._method: dict[str, _Counts] = {}
-        self._request: dict[str, _Counts] = {}
+        self._request: dict[str, dict[str, _Counts]] = {}  # request id -> population key -> its own evidence
         self.idle: dict[str, int] = {}  # steps since the request last speculated
 
+    def _is_tree(self, key: str) -> bool:
+        return key.split("/", 1)[0] in self.tree_methods
+
     def _uninformed(self, method: str) -> list[float]:
-        if method in self.tree_methods:
+        if self._is_tree(method):
             return [0.5 ** j for j in range(1, self.k_max + 1)]
         return [0.5] * self.k_max
 
     def _monotone(self, method: str, values: list[float]) -> list[float]:
-        if method not in self.tree_methods:
+        if not self._is_tree(method):
             return values
         out, low = [], 1.0
         for v in values:  # best-first nodes: a later node is never more likely than an earlier one
@@ -64,20 +72,22 @@ class AcceptanceTracker:
         return out
 
     def population(self, method: str) -> list[float]:
-        """The method's per-slot estimates over its recent rows."""
+        """The method's per-slot estimates over its recent rows; a refinement ("ngram/4") starts from its method's
+        pooled estimate, which every refinement's rows also feed."""
         counts = self._method.get(method)
-        prior = self._uninformed(method)
+        base = method.split("/", 1)[0]
+        prior = self.population(base) if base != method else self._uninformed(method)
         return self._monotone(method, prior if counts is None else counts.mean(prior, PRIOR_WEIGHT))
 
     def rates(self, request_id: str, method: str) -> list[float]:
         """Per-slot estimates of one request (chains: conditional acceptance; trees: node survival)."""
         pop = self.population(method)
-        own = self._request.get(request_id)
+        own = self._request.get(request_id, {}).get(method)
         return pop if own is None else self._monotone(method, own.mean(pop, PRIOR_WEIGHT))
 
     def survival(self, request_id: str, method: str) -> list[float]:
         """s_j for j = 1..k_max: the probability that draft slot j is emitted."""
-        if method in self.tree_methods:
+        if self._is_tree(method):
             return self.rates(request_id, method)
         out, s = [], 1.0
         for a in self.rates(request_id, method):
@@ -89,24 +99,25 @@ class AcceptanceTracker:
         """k proposed, m accepted: positions 1..m passed, m + 1 failed (if m < k), the rest unobserved. For a tree
         method, `path` is the accepted path's nodes (0 = the root; None: a chain, nodes 1..m); every node <= k is
         observed, a hit if it is on the path."""
-        if method in self.tree_methods:
+        if self._is_tree(method):
             on_path = set(path[1:] if path is not None else range(1, m + 1))
             slots = [(j, 1.0 if j + 1 in on_path else 0.0) for j in range(min(k, self.k_max))]
         else:
             slots = [(j, 1.0 if j < m else 0.0) for j in range(min(k, m + 1, self.k_max))]
-        own = self._request.setdefault(request_id, _Counts(self.k_max))
-        own.decay(REQUEST_DECAY)
-        own.add(slots)
-        shared = self._method.setdefault(method, _Counts(self.k_max))
-        shared.decay(POPULATION_DECAY)
-        shared.add(slots)
+        mine = self._request.setdefault(request_id, {})
+        for counts in mine.values():
+            counts.decay(REQUEST_DECAY)
+        mine.setdefault(method, _Counts(self.k_max)).add(slots)
+        for key in dict.fromkeys((method, method.split("/", 1)[0])):  # the refinement and its method's pool
+            shared = self._method.setdefault(key, _Counts(self.k_max))
+            shared.decay(POPULATION_DECAY)
+            shared.add(slots)
         self.idle[request_id] = 0
 
     def idle_step(self, request_id: str) -> int:
         """The request did not speculate this step: its evidence fades like a step's. -> steps idle so far."""
-        own = self._request.get(request_id)
-        if own is not None:
-            own.decay(REQUEST_DECAY)
+        for counts in self._request.get(request_id, {}).values():
+            counts.decay(REQUEST_DECAY)
         self.idle[request_id] = self.idle.get(request_id, 0) + 1
         return self.idle[request_id]
 

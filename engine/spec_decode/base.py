@@ -103,6 +103,12 @@ class ProposerBase(abc.ABC):
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
         """Up to ks[i] >= 1 tokens for requests[i], consuming seeded requests' generators only."""
 
+    def population(self, request: Request) -> str | None:
+        """Before this step's plan: the population whose acceptance the request's next drafts are expected to have
+        (engine/spec_decode/acceptance.py; the method's name unless the method knows better, like the length of an
+        n-gram match), or None when it will propose nothing for it this step (then it plans k = 0)."""
+        return self.name
+
     def kv_bytes_per_token(self) -> int:
         """KV bytes it keeps per token of a sequence (a draft model's cache; 0 for stateless lookups)."""
         return 0

@@ -47,10 +47,13 @@ class AdaptiveController:
         self.costs = StepCosts()
         self.tracker = AcceptanceTracker(k_max, tree_methods)
         self._expected: dict[str, float] = {}  # request -> accepted drafts its planned k was expected to yield
+        self._population: dict[str, str] = {}  # request -> the acceptance population its last plan assumed
         self.accepted_log: dict[str, list[float]] = {}  # method -> [expected, accepted, steps] of planned drafts
 
-    def plan(self, running: list[Request]) -> None:
-        """This step's k (`planned_k`) of every decoding adaptive request; others keep their fixed k."""
+    def plan(self, running: list[Request], population=None) -> None:
+        """This step's k (`planned_k`) of every decoding adaptive request; others keep their fixed k.
+        `population(request)` names the acceptance population of its next drafts, None when its method has nothing
+        to propose this step (default: the method's name)."""
         decoding = [r for r in running if r.num_computed_tokens == len(r.token_ids) - 1 and r.num_computed_tokens]
         auto = [r for r in decoding if r.adaptive]
         if not auto:
@@ -61,9 +64,11 @@ class AdaptiveController:
                         len(decoding), 1 + max(fixed, default=0))
         rows = []
         for r in auto:
-            s = self.tracker.survival(r.request_id, r.method)
+            key = population(r) if population is not None else r.method
+            self._population[r.request_id] = key or r.method
+            s = self.tracker.survival(r.request_id, key or r.method)
             idle = self.tracker.idle.get(r.request_id, 0)
-            rows.append(Row(s, r.num_speculative_tokens, r.method, idle >= PROBE_EVERY))
+            rows.append(Row(s, r.num_speculative_tokens if key else 0, r.method, idle >= PROBE_EVERY))
         ks = plan(rows, base, self.costs, self.per_step_methods)
         for r, row, k in zip(auto, rows, ks):
             r.planned_k = k
@@ -82,7 +87,8 @@ class AdaptiveController:
 
     def observe_verified(self, request_id: str, method: str, k: int, m: int, path: list[int] | None) -> None:
         """Request `request_id` proposed k nodes with `method`, m were accepted (`path`: a tree's accepted nodes)."""
-        self.tracker.observe(request_id, method, k, m, path)
+        key = self._population.get(request_id, method)  # what its plan assumed, if its method drafted
+        self.tracker.observe(request_id, key if key.split("/", 1)[0] == method else method, k, m, path)
         expected = self._expected.pop(request_id, None)
         if expected is not None:  # planned this step (a proposer may have returned fewer than planned)
             log = self.accepted_log.setdefault(method, [0.0, 0.0, 0])
@@ -91,6 +97,7 @@ class AdaptiveController:
     def forget(self, request_id: str) -> None:
         self.tracker.forget(request_id)
         self._expected.pop(request_id, None)
+        self._population.pop(request_id, None)
 
     def report(self) -> dict:
         """The fitted costs and how well they predicted the steps (for benches and debugging)."""

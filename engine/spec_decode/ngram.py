@@ -49,13 +49,24 @@ class NgramProposer(LookupProposer):
         branches = cfg.prompt_lookup_branches if ctx.tree_attention else 1  # windowed targets verify chains only
         return cls(cfg.k_max, cfg.prompt_lookup_min, cfg.prompt_lookup_max, ctx.device, branches)
 
+    def _index(self, req: Request) -> NgramIndex:
+        """The request's index, brought up to its tokens."""
+        index = self._state.get(req.request_id)
+        if index is None:
+            index = self._state[req.request_id] = NgramIndex(self.n_min, self.n_max, self.branches)
+        index.update(req.token_ids)
+        return index
+
+    def population(self, request: Request) -> str | None:
+        """Drafts continuing a longer matched suffix are accepted more often: each match length is its own
+        population ("ngram/4"); no match, no drafts."""
+        n = self._index(request).match_length(request.token_ids)
+        return f"{self.name}/{n}" if n else None
+
     def propose(self, requests: list[Request], ks: list[int], default_generator: torch.Generator) -> Proposal:
         drafts, parents = [], []
         for req, k in zip(requests, ks):
-            index = self._state.get(req.request_id)
-            if index is None:
-                index = self._state[req.request_id] = NgramIndex(self.n_min, self.n_max, self.branches)
-            index.update(req.token_ids)
+            index = self._index(req)
             found = index.continuations(req.token_ids, k, min(self.branches, k))  # each branch >= 1 node
             depth = k // max(1, len(found))
             tokens, par = trie([c[:depth] for c in found])

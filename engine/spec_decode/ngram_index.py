@@ -31,6 +31,14 @@ class NgramIndex:
                     del seen[self.keep:]
         self._indexed = max(self._indexed, len(tokens))
 
+    def match_length(self, tokens: list[int]) -> int:
+        """The length of the longest suffix of `tokens` (n_max down to n_min) seen before with a continuation; 0 when
+        none is."""
+        for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
+            if tuple(tokens[len(tokens) - n:]) in self._next:
+                return n
+        return 0
+
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix of `tokens` (n_max down to n_min) seen before."""
         found = self.continuations(tokens, k, 1)

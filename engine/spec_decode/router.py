@@ -54,6 +54,12 @@ class ProposalRouter:
     def all(self) -> list:
         return [*self.proposers.values(), self.prediction]
 
+    def population(self, req: Request) -> str | None:
+        """The acceptance population of the request's next drafts (ProposerBase.population); a request with a
+        prediction drafts from it first, so it keeps its method's name; None: nothing to propose this step."""
+        p = self.proposers.get(req.method)
+        return req.method if p is None or req.prediction_token_ids else p.population(req)
+
     def hidden_reader(self, req: Request):
         """The proposer that reads this request's target hidden states, if any."""
         p = self.proposers.get(req.method)

@@ -198,3 +198,47 @@ def test_a_per_step_cost_is_paid_once_whatever_the_tree_size():
     per_position = plan(rows, base, costs)
     assert per_position[0] < per_step[0]
     assert all(s >= 0.02 for s in survival[: per_step[0]])  # every node kept is worth its verify row
+
+
+def test_a_population_key_refines_a_method_and_keeps_its_own_evidence():
+    """n-gram matches of different lengths are different populations: evidence for "ngram/4" moves neither
+    "ngram/2" nor the request's own estimate under "ngram/2"; both feed the method's pool, an unseen length's
+    prior; a tree method's refinements are trees too."""
+    t = AcceptanceTracker(2, tree_methods=frozenset({"ngram"}))
+    for _ in range(20):
+        t.observe("r", "ngram/4", 2, 2, [0, 1, 2])
+        t.observe("r", "ngram/2", 2, 0, [0])
+    assert t.population("ngram/4")[0] > 0.9 and t.population("ngram/2")[0] < 0.1
+    assert t.rates("r", "ngram/4")[0] > 0.9 and t.rates("r", "ngram/2")[0] < 0.1
+    assert t.population("ngram/3") == t.population("ngram")  # never seen: the method's pool, which both fed
+    assert 0.4 < t.population("ngram")[0] < 0.6 and AcceptanceTracker(2).population("ngram/3") == [0.5, 0.5]
+    t.forget("r")
+    assert t.rates("r", "ngram/4") == t.population("ngram/4")
+
+
+def _plan_one_step(population):
+    """An AdaptiveController planning two decoding auto requests whose populations `population` names."""
+    from types import SimpleNamespace
+
+    from specserve.engine.spec_decode.controller import AdaptiveController
+
+    c = AdaptiveController(4, frozenset(), frozenset(), 2048)
+    c.costs = _costs(a=0.010, b=0.002)
+    for _ in range(30):  # strong matches are accepted, weak ones are not
+        c.tracker.observe("old", "ngram/4", 4, 4)
+        c.tracker.observe("old", "ngram/2", 1, 0)
+    reqs = [SimpleNamespace(request_id=i, method="ngram", adaptive=True, num_speculative_tokens=4,
+                            num_computed_tokens=9, token_ids=list(range(10)), planned_k=None) for i in "abc"]
+    c.plan(reqs, population)
+    return c, [r.planned_k for r in reqs]
+
+
+def test_the_plan_drafts_long_for_strong_matches_and_not_at_all_without_one():
+    keys = {"a": "ngram/4", "b": "ngram/2", "c": None}
+    c, ks = _plan_one_step(lambda r: keys[r.request_id])
+    assert ks[0] >= 3 and ks[1] == 0 and ks[2] == 0
+    c.observe_verified("a", "ngram", ks[0], 0, None)  # what the plan assumed is what the verdict updates
+    assert c.tracker.rates("a", "ngram/4")[0] < c.tracker.population("ngram/4")[0] + 1e-9
+    assert c.tracker.rates("a", "ngram/2") == c.tracker.population("ngram/2")  # nor another length's
+    _, unrefined = _plan_one_step(None)  # without keys every row shares the method's (unseen) population
+    assert unrefined == [unrefined[0]] * 3

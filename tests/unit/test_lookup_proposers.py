@@ -70,6 +70,30 @@ def test_ngram_continuations_latest_first_then_shorter_suffixes():
         NgramIndex(1, 2, keep=0)
 
 
+def test_ngram_match_length_is_the_longest_suffix_with_a_continuation():
+    idx = NgramIndex(2, 4)
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 4]
+    idx.update(seq)
+    assert idx.match_length(seq) == 4  # [1, 2, 3, 4] was followed by 9
+    assert idx.match_length([7, 2, 3, 4]) == 3 and idx.match_length([7, 8, 3, 4]) == 2
+    assert idx.match_length([7, 8, 9, 4]) == 0 and idx.match_length([4]) == 0  # below n_min: no match
+
+
+def test_ngram_population_names_the_match_length_and_none_without_one():
+    from types import SimpleNamespace
+
+    import torch
+
+    from specserve.engine.spec_decode.ngram import NgramProposer
+
+    p = NgramProposer(4, 2, 4, torch.device("cpu"))
+    req = SimpleNamespace(request_id="r", token_ids=[1, 2, 3, 4, 9, 1, 2, 3])
+    assert p.population(req) == "ngram/3"
+    req.token_ids = req.token_ids + [4]
+    assert p.population(req) == "ngram/4"
+    assert p.population(SimpleNamespace(request_id="s", token_ids=[5, 6, 7, 8])) is None
+
+
 def test_trie_merges_shared_prefixes():
     tokens, parents = trie([[5, 6, 7], [5, 6, 8], [9]])
     assert tokens == [5, 6, 7, 8, 9] and parents == [0, 1, 2, 2, 0]
