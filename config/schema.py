@@ -8,10 +8,10 @@ from dataclasses import dataclass, fields
 GiB = 1 << 30
 # The demo target's default method, the best measured on each kind of device (docs/benchmarks.md): on a GPU the
 # EAGLE-3 drafter (the highest acceptance of the learned proposers on held-out chat); on CPU n-gram prompt lookup,
-# whose drafts cost nothing to make: there every verified row costs ~15-25% of a step (the int4 kernels are
-# compute-bound), so EAGLE-3's drafting and hidden-state upkeep cost about what its 0.3-0.5 acceptance saves (0.95-
-# 1.06x plain through the server), while n-gram lookup runs 1.09-1.15x plain at 1 to 16 streams ("The CPU default
-# method"). A --draft-model without a method gets the draft model.
+# whose drafts cost nothing to make: there every verified row costs ~15-25% of a step (the multi-row int4 products
+# are multiply-add bound), so EAGLE-3's drafting and hidden-state upkeep cost about what its 0.3-0.5 acceptance
+# saves (0.95-1.06x plain through the server), while n-gram lookup ran 1.09-1.16x / 1.15-1.21x / 1.01-1.15x plain at
+# 1 / 4 / 16 streams ("The CPU default method"). A --draft-model without a method gets the draft model.
 DEMO_METHOD = "eagle3"
 DEMO_CPU_METHOD = "ngram"
 AUTO = "auto"  # num_speculative_tokens: k adapts per request and per step (engine/spec_decode/adaptive.py)
