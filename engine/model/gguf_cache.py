@@ -10,7 +10,9 @@ up to MAX_FILE_BYTES are converted (their fp32 copy is ~8x the file on disk); la
 Converting costs what one start used to (one read of the weights, one of the tokenizer); later starts read the
 directory. The entry is named by the file's resolved path, size and modification time and by the transformers
 version, so a changed file or library converts again; where the cache cannot be written (a read-only home) the file
-is read directly, as before.
+is read directly, as before. A conversion needs room for the fp32 copy (ROOM_PER_FILE_BYTE bytes per byte of the
+file, with a margin); where the cache's disk lacks it, or converting fails, the file is read directly and a warning says
+why (every start then pays the slow read).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger("specserve.engine")
 
 VERSION = 1
 MAX_FILE_BYTES = 512 << 20
+ROOM_PER_FILE_BYTE = 10  # the fp32 copy of a 4-5 bit file is ~6-8x the file (SmolLM2 Q4_1: 92 MB -> 540 MB), + margin
 META = "specserve_gguf.json"  # written last: a directory with it is complete
 
 
@@ -65,12 +68,23 @@ def converted(path: str | os.PathLike) -> Path | None:
         probe.unlink()
     except OSError:
         return None  # read-only: converting would read the file twice for nothing
+    need, free = room_needed(path), shutil.disk_usage(final.parent).free
+    if free < need:
+        log.warning("gguf: %s not converted: %s has %d MB free, the fp32 copy needs ~%d MB; every start reads the "
+                    "file itself (slower)", path, final.parent, free >> 20, need >> 20)
+        return None
     try:
         _convert(Path(path).expanduser(), final)
     except Exception as exc:  # noqa: BLE001  the direct read reports an unreadable file with its field
-        log.info("gguf: %s not converted (%s: %s)", path, type(exc).__name__, exc)
+        log.warning("gguf: %s not converted (%s: %s); every start reads the file itself (slower)",
+                    path, type(exc).__name__, exc)
         return None
     return final
+
+
+def room_needed(path: str | os.PathLike) -> int:
+    """Bytes of free disk a conversion of `path` asks for."""
+    return Path(path).expanduser().stat().st_size * ROOM_PER_FILE_BYTE
 
 
 def decoder_tensor_types(path: str | os.PathLike) -> set[str] | None:
