@@ -34,17 +34,18 @@ def test_an_int4_llama_runs_its_layers_projections_and_attention_on_the_kernels(
     assert torch.equal(qkv(x)[0], q_proj(x)) and torch.equal(qkv(x)[2], layers[0].self_attn.v_proj(x))
 
 
-def three_forwards(core, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits of a prefill chunk of 5 then 3 decode/verify rows on its K/V, computed with the whole layer in one
+def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits of a prefill chunk of `first` then 3 decode/verify rows on its K/V, computed with the whole layer in one
     kernel call, with the op-by-op lean forward, and with HF's own forward (same modules and kernels)."""
     runner = core.target
-    ids = torch.tensor([5, 9, 2, 7, 7, 3, 1, 4])
+    ids = torch.tensor([5, 9, 2, 7, 7, 3, 1, 4, 8, 6, 2, 5])[:first + 3]
     table = core.allocator.allocate(core.allocator.blocks_for(len(ids)))
-    chunks = [SeqChunk(block_table=table, start=0, num_new=5), SeqChunk(block_table=table, start=5, num_new=3)]
+    chunks = [SeqChunk(block_table=table, start=0, num_new=first), SeqChunk(block_table=table, start=first, num_new=3)]
     rows = torch.arange(len(ids))
 
     def both_calls():
-        return torch.cat([runner.forward(ids[:5], chunks[:1], rows[:5]), runner.forward(ids[5:], chunks[1:], rows[:3])])
+        return torch.cat([runner.forward(ids[:first], chunks[:1], rows[:first]),
+                          runner.forward(ids[first:], chunks[1:], rows[:3])])
     calls = []
     run_native = NativeLayer.run
     with monkeypatch.context() as patch:
@@ -64,6 +65,18 @@ def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch):
     fused, lean, hf = three_forwards(make_core(tiny["llama"], quantization="int4"), monkeypatch)
     assert torch.allclose(lean, hf, atol=1e-5, rtol=1e-5)
     assert torch.allclose(fused, hf, atol=1e-4, rtol=1e-4)
+
+
+def test_an_int4_bf16_llama_on_the_kernels_computes_the_hf_layer(tiny, monkeypatch):
+    """bf16 activations: the products round them to bf16 (on AMX tiles from AMX_MIN_ROWS rows where the CPU has
+    them: the 9-row prefill below; multiply-adds for the 3 decode rows)."""
+    core = make_core(tiny["llama"], quantization="int4", dtype="bfloat16")
+    assert isinstance(decoder_layers(core.target.model)[0].specserve_fused["qkv"], FusedInt4)
+    fused, lean, hf = three_forwards(core, monkeypatch, first=9)
+    scale = hf.abs().max().item()
+    assert (fused - hf).abs().max().item() < 0.05 * scale  # bf16: HF rounds after every op, the kernel once a layer
+    assert (lean - hf).abs().max().item() < 0.05 * scale
+    assert len(run(core, PROMPTS[:2], GREEDY)[0].output_token_ids) == GREEDY.max_tokens
 
 
 def test_a_bf16_llama_runs_its_dense_layers_fused(tiny, monkeypatch):

@@ -28,18 +28,51 @@ def test_q4_packing_round_trips():
     assert torch.equal(back[0], codes) and torch.equal(back[1], scales) and torch.equal(back[2], minima)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q4_linear_is_the_dequantized_product_row_by_row(dtype):
+def test_q4_linear_is_the_dequantized_product_row_by_row():
     packed, _, dense = q4_weights(80, 96)
     bias = torch.randn(80)
-    x = torch.randn(9, 96).to(dtype)  # 9 rows: two blocks of four and a remainder
+    x = torch.randn(9, 96)  # 9 rows: two blocks of four and a remainder
     y = ops.q4_linear(lib, x, *packed, bias)
-    assert y.dtype == dtype and y.shape == (9, 80)
+    assert y.dtype == torch.float32 and y.shape == (9, 80)
     expected = x.double() @ dense.T + bias.double()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(y.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     for r in range(9):  # each row alone: bit for bit what it was in the batch
         assert torch.equal(ops.q4_linear(lib, x[r:r + 1], *packed, bias)[0], y[r])
+
+
+def with_amx(on: bool) -> bool:
+    """Switch the process's AMX use (the library's state); -> whether it is on."""
+    return bool(lib.specserve_amx(int(on)))
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_q4_linear_of_bf16_activations_rounds_them_and_keeps_rows_apart(amx):
+    """A bf16 model's int4 product: on AMX tiles from AMX_MIN_ROWS rows (where the CPU has them), by multiply-adds
+    below. A row's result is bit for bit the same in every call on the same side of AMX_MIN_ROWS (20 rows: tile
+    chunks of 16 and 4); both sides are the product in fp32 sums (then rounded to bf16)."""
+    was = ops.amx(lib)
+    try:
+        if with_amx(amx) != amx:
+            pytest.skip("this CPU, kernel or build has no AMX tiles")
+        few = lib.specserve_amx_min_rows() - 1  # the most rows below the tiles
+        packed, _, dense = q4_weights(80, 96)
+        bias = torch.randn(80)
+        x = torch.randn(20, 96).bfloat16()
+        expected = x.double() @ dense.T + bias.double()
+        fp32_sums = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        y = ops.q4_linear(lib, x, *packed, bias)  # bf16, as the model's activations
+        small = torch.cat([ops.q4_linear(lib, x[r:r + few], *packed, bias) for r in range(0, 20, few)])
+        for out in (y, small):
+            assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), expected, rtol=2 ** -8,
+                                                                  atol=2 ** -8 * expected.abs().max().item())
+        assert torch.allclose(ops.q4_linear(lib, x.float(), *packed, bias).double(), expected, **fp32_sums)
+        for r in range(20):
+            one = ops.q4_linear(lib, x[r:r + 1], *packed, bias)[0]
+            assert torch.equal(one, small[r])
+            seven = ops.q4_linear(lib, x[max(r - 6, 0):max(r - 6, 0) + 7], *packed, bias)[min(r, 6)]
+            assert torch.equal(seven, y[r])
+    finally:
+        with_amx(was)
 
 
 def test_int4_linear_on_the_kernels_applies_its_dequantized_weight():

@@ -32,11 +32,13 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 ENV_PREBUILT = "SPECSERVE_CPU_KERNELS_DIR"
+ENV_AMX = "SPECSERVE_CPU_AMX"  # 0: no AMX tiles (bf16 models' int4 products then run on AVX-512)
 # x86-64 feature levels a prebuilt library may target, best first, with the CPU flags each needs
 V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-LEVELS = {"x86-64-v4-bf16": V4 + ("avx512_bf16",), "x86-64-v4": V4,
-          "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
-MARCH = {"x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}  # otherwise -march=<level>
+LEVELS = {"x86-64-v4-amx": V4 + ("avx512_bf16", "amx_tile", "amx_bf16"), "x86-64-v4-bf16": V4 + ("avx512_bf16",),
+          "x86-64-v4": V4, "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
+MARCH = {"x86-64-v4-amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+         "x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}  # otherwise -march=<level>
 
 I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -135,6 +137,10 @@ def load() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    for name, args in (("specserve_amx", [INT]), ("specserve_amx_on", []), ("specserve_amx_min_rows", [])):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, INT
+    if os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "false", "no", "off"):
+        lib.specserve_amx(1)  # asks Linux for the tile state once; 0 where the CPU, kernel or build lacks it
     return lib
 
 

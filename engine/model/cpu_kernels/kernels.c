@@ -19,6 +19,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPECSERVE_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SPECSERVE_AMX 1
+#endif
 #endif
 
 #define GROUP 32
@@ -60,7 +65,7 @@ static void store_row(const float *src, int dtype, int64_t n, void *dst) {
     }
 }
 
-int specserve_kernels_version(void) { return 7; }
+int specserve_kernels_version(void) { return 8; }
 
 int specserve_kernels_avx512(void) {
 #ifdef SPECSERVE_AVX512
@@ -148,16 +153,9 @@ typedef struct {
     int64_t K, N;
 } Q4Weights;
 
-/* xs [R, K] fp32 -> out [R, N] fp32 (bias included). */
-static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+/* xs [R, K] fp32 and sums [R, G] (each group's input sum) -> out [R, N] fp32, without the bias */
+static void q4_lanes(const float *xs, const float *sums, int64_t R, const Q4Weights *w, float *out) {
     const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16;
-    float *sums = (float *)malloc((size_t)(R * G) * sizeof(float)); /* [R, G]: each group's input sum */
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t g = 0; g < G; g++) {
-            float s = 0.0f;
-            for (int i = 0; i < GROUP; i++) s += xs[r * K + g * GROUP + i];
-            sums[r * G + g] = s;
-        }
 #pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
@@ -173,10 +171,202 @@ static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out
             }
         }
     }
+}
+
+static void add_bias(const Q4Weights *w, int64_t R, float *out) {
     if (w->bias)
         for (int64_t r = 0; r < R; r++)
-            for (int64_t n = 0; n < N; n++) out[r * N + n] += w->bias[n];
+            for (int64_t n = 0; n < w->N; n++) out[r * w->N + n] += w->bias[n];
+}
+
+/* xs [R, K] fp32 -> out [R, N] fp32 (bias included). */
+static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    const int64_t K = w->K, G = K / GROUP;
+    float *sums = (float *)malloc((size_t)(R * G) * sizeof(float)); /* [R, G]: each group's input sum */
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < GROUP; i++) s += xs[r * K + g * GROUP + i];
+            sums[r * G + g] = s;
+        }
+    q4_lanes(xs, sums, R, w, out);
+    add_bias(w, R, out);
     free(sums);
+}
+
+/* ---- int4 products of bf16 activations (a bf16 model's), on AMX tiles for many rows ------------------------------
+ * A bf16 model multiplies bf16 activations (as torch's bf16 layers do): round(x) W^T, W = code * scale + minimum per
+ * group of 32 inputs. On AMX (Intel Sapphire Rapids and later) one TDPBF16PS multiplies up to 16 rows of a group's 32
+ * inputs by its 32 x 16 codes (exact in bf16) in fp32, and the group's scale and minimum are applied after it: the
+ * codes are unpacked once per group whatever the number of rows, so 16 rows cost about twice what one does (on the
+ * multiply-adds of q4_block each row adds a multiply-add per weight). A tile product has a fixed cost that a few rows
+ * do not repay: below AMX_MIN_ROWS rows the same rounded activations go through q4_block. The two differ only in the
+ * order of fp32 sums, and a row's result is the same in every call on the same side of AMX_MIN_ROWS (in bf16,
+ * near-ties may then depend on the batch, as the README says of bf16). amx_on: set once per process by specserve_amx
+ * (Linux must grant the tile state); fp32 models never round their activations. */
+#define AMX_ROWS 16
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 6
+#endif
+static int amx_on = 0;
+
+int specserve_amx(int want) {
+#ifdef SPECSERVE_AMX
+    if (want && !amx_on) amx_on = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    (void)want;
+#endif
+    if (!want) amx_on = 0;
+    return amx_on;
+}
+
+int specserve_amx_on(void) { return amx_on; }
+
+int specserve_amx_min_rows(void) { return AMX_MIN_ROWS; }
+
+#ifdef SPECSERVE_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tiles 0, 1, 6, 7: results (rows x 16 fp32); 2, 3: activations (rows x 32 bf16); 4, 5: codes (16 pairs x 16
+ * outputs) */
+static void amx_configure(int rows) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = t == 4 || t == 5 ? 16 : (uint8_t)rows;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* One group's codes of a block (pack_q4's layout) as a B tile: row p holds, for each output n, the words of inputs
+ * 2p and 2p + 1 (the low and high nibble of byte p of lane n). A word is the bf16 0x4300 | code = 128 + code
+ * (exact): four instructions per row; the 128 x the group's input sum comes off with the minimum (amx_block). */
+static inline __attribute__((always_inline)) void amx_codes(const uint8_t *wg, uint16_t *tile) {
+    const __m512i nibbles = _mm512_set1_epi32(0x000f000f), base = _mm512_set1_epi32(0x43004300);
+    for (int p = 0; p < GROUP / 2; p++) {
+        const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wg + p * 16)));
+        const __m512i words = _mm512_or_si512(t, _mm512_slli_epi32(t, 12)); /* low nibble low, high nibble high */
+        _mm512_store_si512((void *)(tile + p * 32), _mm512_ternarylogic_epi32(words, nibbles, base, 0xEA));
+    }
+}
+
+/* group g0 + J's product into result tile TC (activation tile TA, code tile TB) */
+#define AMX_DP(TC, TA, TB, J)                                                                                          \
+    do {                                                                                                               \
+        _tile_loadd(TB, codes[J], 64);                                                                                 \
+        _tile_loadd(TA, xb + (g0 + J) * GROUP, K * 2);                                                                 \
+        _tile_zero(TC);                                                                                                \
+        _tile_dpbf16ps(TC, TA, TB);                                                                                    \
+    } while (0)
+
+/* rows (<= 16) rows of xb [., K] bf16 times one block of 16 outputs -> out [rows, N] (this block's 16 columns).
+ * The tile unit runs its instructions in order, so four groups' products are issued before the first result is
+ * stored: a store waits for its product, and would hold the next group's behind it. */
+static inline __attribute__((always_inline)) void amx_block(const uint8_t *wb, const float *scales,
+                                                            const float *minima, const uint16_t *xb,
+                                                            const float *sums, int64_t K, int64_t G, const int rows,
+                                                            float *out, int64_t N) {
+    __attribute__((aligned(64))) uint16_t codes[4][GROUP / 2 * 32];
+    __attribute__((aligned(64))) float part[4][AMX_ROWS * 16];
+    __m512 total[AMX_ROWS];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int n = G - g0 < 4 ? (int)(G - g0) : 4;
+        for (int j = 0; j < n; j++) amx_codes(wb + (g0 + j) * (GROUP / 2) * 16, codes[j]);
+        AMX_DP(0, 2, 4, 0);
+        if (n > 1) AMX_DP(1, 3, 5, 1);
+        if (n > 2) AMX_DP(6, 2, 4, 2);
+        if (n > 3) AMX_DP(7, 3, 5, 3);
+        _tile_stored(0, part[0], 64);
+        if (n > 1) _tile_stored(1, part[1], 64);
+        if (n > 2) _tile_stored(6, part[2], 64);
+        if (n > 3) _tile_stored(7, part[3], 64);
+        for (int j = 0; j < n; j++) {
+            const int64_t g = g0 + j;
+            const __m512 sc = _mm512_loadu_ps(scales + g * 16);
+            const __m512 mn = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), sc, _mm512_loadu_ps(minima + g * 16));
+            for (int r = 0; r < rows; r++) {
+                total[r] = _mm512_fmadd_ps(_mm512_loadu_ps(part[j] + r * 16), sc, total[r]);
+                total[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[r * G + g]), total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
+}
+
+static void q4_amx(const uint16_t *xb, const float *sums, int64_t R, const Q4Weights *w, float *out) {
+    const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16, chunks = (R + AMX_ROWS - 1) / AMX_ROWS;
+#pragma omp parallel if (R * N * K >= PARALLEL_WORK)
+    {
+        int configured = 0;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < chunks * blocks; item++) {
+            const int64_t c = item / blocks, b = item % blocks, r0 = c * AMX_ROWS;
+            const int rows = (int)(R - r0 < AMX_ROWS ? R - r0 : AMX_ROWS);
+            if (rows != configured) {
+                amx_configure(rows);
+                configured = rows;
+            }
+            const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
+            const float *sc = w->scales + b * G * 16, *mn = w->minima + b * G * 16, *sr = sums + r0 * G;
+            const uint16_t *xr = xb + r0 * K;
+            float *o = out + r0 * N + b * 16;
+            switch (rows) {
+#define AMX_CASE(n) case n: amx_block(wb, sc, mn, xr, sr, K, G, n, o, N); break;
+                AMX_CASE(1) AMX_CASE(2) AMX_CASE(3) AMX_CASE(4) AMX_CASE(5) AMX_CASE(6) AMX_CASE(7) AMX_CASE(8)
+                AMX_CASE(9) AMX_CASE(10) AMX_CASE(11) AMX_CASE(12) AMX_CASE(13) AMX_CASE(14) AMX_CASE(15)
+                default: amx_block(wb, sc, mn, xr, sr, K, G, AMX_ROWS, o, N); break;
+#undef AMX_CASE
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+#endif
+
+/* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias): AMX tiles from AMX_MIN_ROWS rows, else q4_block */
+static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    const int64_t K = w->K, G = K / GROUP;
+    float *xr = (float *)malloc((size_t)(R * K + R * G) * sizeof(float)), *sums = xr + R * K;
+    uint16_t *xb = (uint16_t *)malloc((size_t)(R * K) * sizeof(uint16_t));
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t at = r * K + g * GROUP;
+#if defined(__AVX512BF16__)
+            __m512 s = _mm512_setzero_ps();
+            for (int i = 0; i < GROUP; i += 16) { /* round to nearest even, as f32_to_bf16 */
+                const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xs + at + i));
+                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                _mm256_storeu_si256((__m256i *)(xb + at + i), h);
+                _mm512_storeu_ps(xr + at + i, v);
+                s = _mm512_add_ps(s, v);
+            }
+            sums[r * G + g] = _mm512_reduce_add_ps(s);
+#else
+            float s = 0.0f;
+            for (int i = 0; i < GROUP; i++) {
+                xb[at + i] = f32_to_bf16(xs[at + i]);
+                xr[at + i] = bf16_to_f32(xb[at + i]);
+                s += xr[at + i];
+            }
+            sums[r * G + g] = s;
+#endif
+        }
+#ifdef SPECSERVE_AMX
+    if (amx_on && R >= AMX_MIN_ROWS)
+        q4_amx(xb, sums, R, w, out);
+    else
+#endif
+        q4_lanes(xr, sums, R, w, out);
+    add_bias(w, R, out);
+    free(xb);
+    free(xr);
 }
 
 /* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias) for W [N, K] bf16 row-major (a dense layer of a
@@ -216,23 +406,31 @@ static void bf16_matmul(const float *xs, int64_t R, const Q4Weights *w, float *o
     free(xb);
 }
 
-/* the layer's products: int4 (kind 0) or dense bf16 (kind 1) */
-static void linear(int kind, const float *xs, int64_t R, const Q4Weights *w, float *out) {
-    if (kind == 1)
-        bf16_matmul(xs, R, w, out);
+/* an int4 product for a model whose activations are `dtype` (0 fp32, 1 bf16) */
+static void q4_product(int dtype, const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    if (dtype == 1)
+        q4_matmul_bf16(xs, R, w, out);
     else
         q4_matmul(xs, R, w, out);
 }
 
+/* the layer's products: int4 (kind 0) or dense bf16 (kind 1), for a model of activations `dtype` */
+static void linear(int kind, int dtype, const float *xs, int64_t R, const Q4Weights *w, float *out) {
+    if (kind == 1)
+        bf16_matmul(xs, R, w, out);
+    else
+        q4_product(dtype, xs, R, w, out);
+}
+
 /* x [R, K] (dtype), codes [N / 16, G, 16, 16] (ops.pack_q4), scales and minima [N / 16, G, 16] fp32, bias [N] fp32
- * or NULL -> y [R, N] (dtype). N a multiple of 16, K of 32. */
+ * or NULL -> y [R, N] (dtype). N a multiple of 16, K of 32. bf16 x: q4_matmul_bf16. */
 void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
                          const float *minima, const float *bias, int64_t N, void *y) {
     const Q4Weights w = {codes, scales, minima, bias, K, N};
     float *xs = (float *)malloc((size_t)(R * K + R * N) * sizeof(float));
     float *out = xs + R * K;
     for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
-    q4_matmul(xs, R, &w, out);
+    q4_product(dtype, xs, R, &w, out);
     for (int64_t r = 0; r < R; r++) store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
     free(xs);
 }
@@ -474,7 +672,7 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
         load_row((const char *)x + t * H * esize, w->dtype, H, res + t * H);
         rms_norm(res + t * H, w->input_norm, w->dtype, w->input_eps, H, h + t * H);
     }
-    linear(w->kind, h, T, &w->qkv, qkv);
+    linear(w->kind, w->dtype, h, T, &w->qkv, qkv);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * qkv_width, *cos = trig, *sin = trig + D;
         load_row((const char *)f->cos + t * D * esize, w->dtype, D, cos);
@@ -489,15 +687,15 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
         attend(qkv, 0, qkv_width, w->heads, w->kv_heads, D, k_pool, v_pool, w->kv_dtype, v->slots, v->mask, v->qmax,
                v->length, v->token_index, v->output_index, v->n, w->scale, att, 0, q_width);
     }
-    linear(w->kind, att, T, &w->o, tmp);
+    linear(w->kind, w->dtype, att, T, &w->o, tmp);
     for (int64_t i = 0; i < T * H; i++) res[i] += tmp[i];
     for (int64_t t = 0; t < T; t++) rms_norm(res + t * H, w->post_norm, w->dtype, w->post_eps, H, h + t * H);
-    linear(w->kind, h, T, &w->gate_up, gu);
+    linear(w->kind, w->dtype, h, T, &w->gate_up, gu);
     for (int64_t t = 0; t < T; t++) { /* silu(gate) * up: the down projection's input */
         const float *row = gu + t * 2 * I;
         for (int64_t i = 0; i < I; i++) act[t * I + i] = row[i] / (1.0f + expf(-row[i])) * row[I + i];
     }
-    linear(w->kind, act, T, &w->down, tmp);
+    linear(w->kind, w->dtype, act, T, &w->down, tmp);
     for (int64_t t = 0; t < T; t++) {
         for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
         store_row(res + t * H, w->dtype, H, (char *)y + t * H * esize);

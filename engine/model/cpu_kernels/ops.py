@@ -47,6 +47,11 @@ def unpack_q4(packed: torch.Tensor, scales: torch.Tensor, minima: torch.Tensor
     return codes, rows(scales), rows(minima)
 
 
+def amx(lib: ctypes.CDLL) -> bool:
+    """Whether this process runs int4 products of many bf16 rows on AMX tiles (build.load asks for them)."""
+    return bool(lib.specserve_amx_on())
+
+
 def packable(out_features: int, in_features: int) -> bool:
     return out_features % LANES == 0 and in_features % GROUP == 0
 
