@@ -1,8 +1,11 @@
 """The CPU kernels (engine/model/cpu_kernels: int4 and Q8_0 products, short-query attention, the lean Llama layer)
 against torch's kernels, on the demo target: two engines in one process — one built with the kernels, one with
 `SPECSERVE_CPU_KERNELS=0` — timed in interleaved rounds at each concurrency, so machine drift hits both alike.
+`--against no-amx`: the kernels with their AMX tiles (a bf16 model's int4 products of 6 rows or more) against the
+same engine with the tiles switched off for its calls (AVX-512 multiply-adds only).
 
 `python -m bench.cpu_kernels --methods none,eagle3 --concurrency 1,4,16 --rounds 3 --out docs/cpu-kernels.json`
+`python -m bench.cpu_kernels --against no-amx --methods none,ngram --concurrency 1,4,16 --rounds 3`
 
 Offline `LLM.generate`, greedy, `ignore_eos`, held-out chat questions as plain prompts. Reports the median tokens/s
 of each engine, the median of the per-round ratios, and the share of requests whose tokens were identical (in bf16
@@ -38,12 +41,37 @@ def build_pair(quantization: str, method: str):
     return with_kernels, without
 
 
-def measure(quantization: str, method: str, concurrency: list[int], max_tokens: int, rounds: int) -> list[dict]:
+class WithoutAmx:
+    """The same engine, its AMX tiles switched off for the length of each call (the weights' layout is the same)."""
+
+    def __init__(self, llm):
+        self.llm, self.lib = llm, llm.engine.target.kernels
+
+    def generate(self, prompts, params):
+        self.lib.specserve_amx(0)
+        try:
+            return self.llm.generate(prompts, params)
+        finally:
+            self.lib.specserve_amx(1)
+
+
+def amx_pair(quantization: str, method: str):
+    from specserve.engine import LLM
+    from specserve.engine.model.cpu_kernels import ops
+
+    llm = LLM(quantization=quantization, speculative_method=method)
+    if llm.engine.target.kernels is None or not ops.amx(llm.engine.target.kernels):
+        raise SystemExit("no AMX tiles here (CPU, kernel, build or SPECSERVE_CPU_AMX=0); nothing to compare")
+    return llm, WithoutAmx(llm)
+
+
+def measure(quantization: str, method: str, concurrency: list[int], max_tokens: int, rounds: int,
+            against: str = "torch") -> list[dict]:
     from bench.adaptive import batches
     from bench.prompts import heldout_prompts
     from specserve.engine import SamplingParams
 
-    engines = build_pair(quantization, method)
+    engines = amx_pair(quantization, method) if against == "no-amx" else build_pair(quantization, method)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for c in concurrency:
@@ -64,7 +92,8 @@ def measure(quantization: str, method: str, concurrency: list[int], max_tokens: 
             total += len(batch)
         ratios = [a / b for a, b in zip(*speeds)]
         rows.append({"method": method, "concurrency": c, "kernels_tokens_per_s": statistics.median(speeds[0]),
-                     "torch_tokens_per_s": statistics.median(speeds[1]), "ratio_median": statistics.median(ratios),
+                     "baseline": against, "baseline_tokens_per_s": statistics.median(speeds[1]),
+                     "ratio_median": statistics.median(ratios),
                      "ratio_min": min(ratios), "ratio_max": max(ratios), "identical_requests": same,
                      "requests": total, "rounds": rounds})
     del engines
@@ -79,20 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--against", choices=["torch", "no-amx"], default="torch",
+                    help="the baseline: torch's kernels, or the kernels without their AMX tiles")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     cs = [int(c) for c in args.concurrency.split(",")]
     rows = [row for m in args.methods.split(",") for row in measure(args.quantization, m, cs, args.max_tokens,
-                                                                     args.rounds)]
+                                                                     args.rounds, args.against)]
     import torch
 
     from bench.spec_decode import machine_info
 
-    lines = ["| method | streams | kernels tok/s | torch tok/s | kernels / torch (median, min-max) | identical |",
+    base = args.against
+    lines = [f"| method | streams | kernels tok/s | {base} tok/s | kernels / {base} (median, min-max) | identical |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['kernels_tokens_per_s']:.1f} | "
-                     f"{r['torch_tokens_per_s']:.1f} | {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-"
+                     f"{r['baseline_tokens_per_s']:.1f} | {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-"
                      f"{r['ratio_max']:.2f}) | {r['identical_requests']}/{r['requests']} |")
     emit({"quantization": args.quantization, "max_tokens": args.max_tokens, "rows": rows,
           "machine": machine_info(torch.device("cpu"))}, args.out, "\n".join(lines))

@@ -158,6 +158,17 @@ def test_attention_is_masked_softmax_attention_over_the_pool(dtype):
     assert bool((part[others] == 7.0).all())
 
 
+def test_bf16_rows_are_read_exactly_and_rounded_to_nearest_even():
+    """bf16 in and out of the kernels (16 at a time on AVX-512, one at a time for the rest): the same attention over
+    bf16 inputs, computed with fp32 inputs holding the same values, rounds to exactly torch's bf16 of its result."""
+    q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.bfloat16)
+    rows = torch.arange(q.shape[0])
+    out, wide = torch.empty_like(q), torch.empty_like(q, dtype=torch.float32)
+    ops.attention(lib, q, k_rows, v_rows, kv_heads, slots, mask, rows, rows, 0.25, out)
+    ops.attention(lib, q.float(), k_rows.float(), v_rows.float(), kv_heads, slots, mask, rows, rows, 0.25, wide)
+    assert torch.equal(out, wide.bfloat16())
+
+
 def test_attention_refuses_unsupported_layouts():
     q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.float32)
     rows = torch.arange(q.shape[0])
