@@ -141,8 +141,11 @@ def attention_case(dtype, batch=3, q_max=4, length=40, heads=6, kv_heads=2, head
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_is_masked_softmax_attention_over_the_pool(dtype):
-    q, k_rows, v_rows, kv_heads, slots, mask, ref = attention_case(dtype)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 16), (9, 3, 64), (14, 2, 128), (4, 4, 64)])
+def test_attention_is_masked_softmax_attention_over_the_pool(dtype, heads, kv_heads, head_dim):
+    """Any head size (64 and 128 have a register path: query heads 4 at a time, here 3, 4 + 3 and 1 a group)."""
+    q, k_rows, v_rows, kv_heads, slots, mask, ref = attention_case(dtype, heads=heads, kv_heads=kv_heads,
+                                                                   head_dim=head_dim)
     rows = torch.arange(q.shape[0])
     out = torch.full_like(q, 7.0)
     ops.attention(lib, q, k_rows, v_rows, kv_heads, slots, mask, rows, rows, 0.25, out)
@@ -161,7 +164,7 @@ def test_attention_is_masked_softmax_attention_over_the_pool(dtype):
 def test_bf16_rows_are_read_exactly_and_rounded_to_nearest_even():
     """bf16 in and out of the kernels (16 at a time on AVX-512, one at a time for the rest): the same attention over
     bf16 inputs, computed with fp32 inputs holding the same values, rounds to exactly torch's bf16 of its result."""
-    q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.bfloat16)
+    q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.bfloat16, head_dim=24)  # 16 + a tail
     rows = torch.arange(q.shape[0])
     out, wide = torch.empty_like(q), torch.empty_like(q, dtype=torch.float32)
     ops.attention(lib, q, k_rows, v_rows, kv_heads, slots, mask, rows, rows, 0.25, out)

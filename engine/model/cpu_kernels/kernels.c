@@ -565,6 +565,108 @@ static inline float exp_nonpositive(float x) {
 
 #define MAX_GROUP 16
 
+/* A K/V group's scores and weighted values with the row in registers: each pool row is converted once, 16 values
+ * at a time, and multiplied into the (up to 4) query heads at hand; value sums stay in registers across keys.
+ * D = 64 or 128 on AVX-512 (0 returned otherwise: the caller's loops run). */
+#ifdef SPECSERVE_AVX512
+#define ATT_HEADS 4
+static inline __m512 kv_chunk(const char *row, int kv_dtype, int j) {
+    if (kv_dtype)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row + j)), 16));
+    return _mm512_loadu_ps((const float *)row + 16 * j);
+}
+
+static inline __attribute__((always_inline)) void scores_heads(const float *qv, const int NH, const int ND,
+                                                               const char *k_head, int64_t row_bytes, int kv_dtype,
+                                                               const int64_t *keys, int64_t count, float scale,
+                                                               int64_t L, float *scores) {
+    __m512 qr[ATT_HEADS][8];
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < ND; j++) qr[h][j] = _mm512_loadu_ps(qv + h * ND * 16 + 16 * j);
+    for (int64_t c = 0; c < count; c++) {
+        const char *row = k_head + keys[c] * row_bytes;
+        __m512 kc[8];
+        for (int j = 0; j < ND; j++) kc[j] = kv_chunk(row, kv_dtype, j);
+        for (int h = 0; h < NH; h++) {
+            __m512 a = _mm512_mul_ps(qr[h][0], kc[0]);
+            for (int j = 1; j < ND; j++) a = _mm512_fmadd_ps(qr[h][j], kc[j], a);
+            scores[h * L + c] = _mm512_reduce_add_ps(a) * scale;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void values_heads(const float *p, const int NH, const int ND,
+                                                               const char *v_head, int64_t row_bytes, int kv_dtype,
+                                                               const int64_t *keys, int64_t count, int64_t L,
+                                                               float *acc) {
+    __m512 sum[ATT_HEADS][8];
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < ND; j++) sum[h][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; c++) {
+        const char *row = v_head + keys[c] * row_bytes;
+        __m512 vc[8];
+        for (int j = 0; j < ND; j++) vc[j] = kv_chunk(row, kv_dtype, j);
+        for (int h = 0; h < NH; h++) {
+            const __m512 w = _mm512_set1_ps(p[h * L + c]);
+            for (int j = 0; j < ND; j++) sum[h][j] = _mm512_fmadd_ps(w, vc[j], sum[h][j]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int j = 0; j < ND; j++) _mm512_storeu_ps(acc + h * ND * 16 + 16 * j, sum[h][j]);
+}
+
+#define HEAD_CASES(CALL)                                                                                               \
+    switch (nh * 16 + D / 16) {                                                                                        \
+    case 16 + 4: CALL(1, 4); break;                                                                                    \
+    case 32 + 4: CALL(2, 4); break;                                                                                    \
+    case 48 + 4: CALL(3, 4); break;                                                                                    \
+    case 64 + 4: CALL(4, 4); break;                                                                                    \
+    case 16 + 8: CALL(1, 8); break;                                                                                    \
+    case 32 + 8: CALL(2, 8); break;                                                                                    \
+    case 48 + 8: CALL(3, 8); break;                                                                                    \
+    default: CALL(4, 8); break;                                                                                        \
+    }
+#endif
+
+static int group_scores(const float *qv, int64_t group, int64_t D, const char *k_head, int64_t row_bytes,
+                        int kv_dtype, const int64_t *keys, int64_t count, float scale, int64_t L, float *scores) {
+#ifdef SPECSERVE_AVX512
+    if (D != 64 && D != 128) return 0;
+    for (int64_t h0 = 0; h0 < group; h0 += ATT_HEADS) {
+        const int64_t nh = group - h0 < ATT_HEADS ? group - h0 : ATT_HEADS;
+#define SCORES(NH, ND) \
+    scores_heads(qv + h0 * D, NH, ND, k_head, row_bytes, kv_dtype, keys, count, scale, L, scores + h0 * L)
+        HEAD_CASES(SCORES)
+#undef SCORES
+    }
+    return 1;
+#else
+    (void)qv, (void)group, (void)D, (void)k_head, (void)row_bytes, (void)kv_dtype, (void)keys, (void)count;
+    (void)scale, (void)L, (void)scores;
+    return 0;
+#endif
+}
+
+static int group_values(const float *scores, int64_t group, int64_t D, const char *v_head, int64_t row_bytes,
+                        int kv_dtype, const int64_t *keys, int64_t count, int64_t L, float *acc) {
+#ifdef SPECSERVE_AVX512
+    if (D != 64 && D != 128) return 0;
+    for (int64_t h0 = 0; h0 < group; h0 += ATT_HEADS) {
+        const int64_t nh = group - h0 < ATT_HEADS ? group - h0 : ATT_HEADS;
+#define VALUES(NH, ND) \
+    values_heads(scores + h0 * L, NH, ND, v_head, row_bytes, kv_dtype, keys, count, L, acc + h0 * D)
+        HEAD_CASES(VALUES)
+#undef VALUES
+    }
+    return 1;
+#else
+    (void)scores, (void)group, (void)D, (void)v_head, (void)row_bytes, (void)kv_dtype, (void)keys, (void)count;
+    (void)L, (void)acc;
+    return 0;
+#endif
+}
+
 /* One query group's attention over the paged pool, rows of q and out at any stride (elements per token row).
  * q [T, ...] (q_dtype), pools [slots, H_kv, D] (kv_dtype), slots [B, L] int64, mask [B, Qmax, L] bool,
  * token_index / output_index [n]: row t of q and out, and its (b, j) = divmod(output_index, Qmax) in the mask.
@@ -591,10 +693,13 @@ static void attend(const void *q, int q_dtype, int64_t q_stride, int64_t H, int6
                 if (allowed[l]) keys[count++] = slots[b * L + l];
             for (int64_t hh = 0; hh < group; hh++)
                 load_row((const char *)q + (t * q_stride + (g * group + hh) * D) * q_esize, q_dtype, D, qv + hh * D);
-            for (int64_t c = 0; c < count; c++) {
-                load_row((const char *)k_pool + (keys[c] * H_kv + g) * D * kv_esize, kv_dtype, D, kv);
-                for (int64_t hh = 0; hh < group; hh++) scores[hh * L + c] = dot(qv + hh * D, kv, D) * scale;
-            }
+            const char *k_head = (const char *)k_pool + g * D * kv_esize, *v_head = (const char *)v_pool + g * D * kv_esize;
+            const int64_t row_bytes = H_kv * D * kv_esize;
+            if (!group_scores(qv, group, D, k_head, row_bytes, kv_dtype, keys, count, scale, L, scores))
+                for (int64_t c = 0; c < count; c++) {
+                    load_row(k_head + keys[c] * row_bytes, kv_dtype, D, kv);
+                    for (int64_t hh = 0; hh < group; hh++) scores[hh * L + c] = dot(qv + hh * D, kv, D) * scale;
+                }
             for (int64_t hh = 0; hh < group; hh++) {
                 float *sc = scores + hh * L, best = -INFINITY, total = 0.0f;
                 for (int64_t c = 0; c < count; c++) best = sc[c] > best ? sc[c] : best;
@@ -606,15 +711,16 @@ static void attend(const void *q, int q_dtype, int64_t q_stride, int64_t H, int6
                 for (int64_t c = 0; c < count; c++) sc[c] *= inv;
                 for (int64_t d = 0; d < D; d++) acc[hh * D + d] = 0.0f;
             }
-            for (int64_t c = 0; c < count; c++) {
-                load_row((const char *)v_pool + (keys[c] * H_kv + g) * D * kv_esize, kv_dtype, D, kv);
-                for (int64_t hh = 0; hh < group; hh++) {
-                    const float p = scores[hh * L + c];
-                    float *a = acc + hh * D;
+            if (!group_values(scores, group, D, v_head, row_bytes, kv_dtype, keys, count, L, acc))
+                for (int64_t c = 0; c < count; c++) {
+                    load_row(v_head + keys[c] * row_bytes, kv_dtype, D, kv);
+                    for (int64_t hh = 0; hh < group; hh++) {
+                        const float p = scores[hh * L + c];
+                        float *a = acc + hh * D;
 #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] += p * kv[d];
+                        for (int64_t d = 0; d < D; d++) a[d] += p * kv[d];
+                    }
                 }
-            }
             for (int64_t hh = 0; hh < group; hh++)
                 store_row(acc + hh * D, out_dtype, D,
                           (char *)out + (t * out_stride + (g * group + hh) * D) * out_esize);
