@@ -2,10 +2,13 @@
 against torch's kernels, on the demo target: two engines in one process — one built with the kernels, one with
 `SPECSERVE_CPU_KERNELS=0` — timed in interleaved rounds at each concurrency, so machine drift hits both alike.
 `--against no-amx`: the kernels with their AMX tiles (a bf16 model's int4 products of 6 rows or more) against the
-same engine with the tiles switched off for its calls (AVX-512 multiply-adds only).
+same engine with the tiles switched off for its calls (AVX-512 multiply-adds only). `--against source:FILE.c`: the
+same engine on a library built from another kernels.c (an earlier commit's, say: `git show REV:engine/model/
+cpu_kernels/kernels.c > /tmp/old.c`), swapped in for its calls (the C interface must match).
 
 `python -m bench.cpu_kernels --methods none,eagle3 --concurrency 1,4,16 --rounds 3 --out docs/cpu-kernels.json`
 `python -m bench.cpu_kernels --against no-amx --methods none,ngram --concurrency 1,4,16 --rounds 3`
+`python -m bench.cpu_kernels --against source:/tmp/old.c --methods none --concurrency 1,4,16 --rounds 5`
 
 Offline `LLM.generate`, greedy, `ignore_eos`, held-out chat questions as plain prompts. Reports the median tokens/s
 of each engine, the median of the per-round ratios, and the share of requests whose tokens were identical (in bf16
@@ -55,6 +58,45 @@ class WithoutAmx:
             self.lib.specserve_amx(1)
 
 
+class WithLibrary:
+    """The same engine with another kernels library swapped in for the length of each call (same weights)."""
+
+    def __init__(self, llm, lib):
+        from specserve.engine.model.hidden import decoder_layers
+
+        target = llm.engine.target
+        self.llm, self.lib = llm, lib
+        layers = [getattr(layer, "specserve_native", None) for layer in decoder_layers(target.model)]
+        self.holders = [target, *(m for m in target.model.modules() if getattr(m, "kernels", None) is not None),
+                        *(n for n in layers if n is not None)]
+
+    def generate(self, prompts, params):
+        own = [h.kernels for h in self.holders]
+        for h in self.holders:
+            h.kernels = self.lib
+        try:
+            return self.llm.generate(prompts, params)
+        finally:
+            for h, lib in zip(self.holders, own):
+                h.kernels = lib
+
+
+def source_pair(quantization: str, method: str, source: str):
+    import tempfile
+    from pathlib import Path
+
+    from specserve.engine import LLM
+    from specserve.engine.model.cpu_kernels import build
+
+    llm = LLM(quantization=quantization, speculative_method=method)
+    cc = build.compiler()
+    if llm.engine.target.kernels is None or cc is None:
+        raise SystemExit("the CPU kernels could not be built here; nothing to compare")
+    target = Path(tempfile.mkdtemp(prefix="specserve-kernels-")) / "other.so"
+    build.build(cc, target, source=Path(source))
+    return llm, WithLibrary(llm, build.open_library(target))
+
+
 def amx_pair(quantization: str, method: str):
     from specserve.engine import LLM
     from specserve.engine.model.cpu_kernels import ops
@@ -71,7 +113,10 @@ def measure(quantization: str, method: str, concurrency: list[int], max_tokens: 
     from bench.prompts import heldout_prompts
     from specserve.engine import SamplingParams
 
-    engines = amx_pair(quantization, method) if against == "no-amx" else build_pair(quantization, method)
+    if against.startswith("source:"):
+        engines = source_pair(quantization, method, against.split(":", 1)[1])
+    else:
+        engines = amx_pair(quantization, method) if against == "no-amx" else build_pair(quantization, method)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for c in concurrency:
@@ -108,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--against", choices=["torch", "no-amx"], default="torch",
-                    help="the baseline: torch's kernels, or the kernels without their AMX tiles")
+    ap.add_argument("--against", default="torch",
+                    help="the baseline: torch (torch's kernels), no-amx (the kernels without their AMX tiles) or "
+                         "source:FILE.c (a library built from another kernels.c)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.against not in ("torch", "no-amx") and not args.against.startswith("source:"):
+        ap.error("--against: torch, no-amx or source:FILE.c")
     cs = [int(c) for c in args.concurrency.split(",")]
     rows = [row for m in args.methods.split(",") for row in measure(args.quantization, m, cs, args.max_tokens,
                                                                      args.rounds, args.against)]
@@ -119,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.spec_decode import machine_info
 
-    base = args.against
+    base = "other" if args.against.startswith("source:") else args.against
     lines = [f"| method | streams | kernels tok/s | {base} tok/s | kernels / {base} (median, min-max) | identical |",
              "|---|---|---|---|---|---|"]
     for r in rows:

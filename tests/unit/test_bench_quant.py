@@ -13,6 +13,20 @@ def test_kernel_bench_reports_every_kernel_at_every_row_count(capsys):
     assert [r["rows"] for r in report["results"]] == [1, 3]
     assert all(r["int8_ms"] > 0 and r["int4_ms"] > 0 and r["dense_ms"] > 0 for r in report["results"])
     assert "| 3 |" in capsys.readouterr().err
+    from specserve.engine.model.cpu_kernels import build
+
+    assert ("int4_cpu_ms" in report["results"][0]) == (build.load() is not None)
+
+
+def test_kernel_bench_times_the_amx_tiles_apart_where_they_exist():
+    from specserve.engine.model.cpu_kernels import build, ops
+
+    lib = build.load()
+    if lib is None or not ops.amx(lib):
+        import pytest
+        pytest.skip("no AMX tiles here")
+    report = main(["--rows", "8", "--repeats", "1", "--calls", "1", "--layers", "1"])
+    assert report["results"][0]["int4_cpu_amx_ms"] > 0 and ops.amx(lib)  # left on, as it found it
 
 
 def test_quantized_peers_serve_the_demo_target():

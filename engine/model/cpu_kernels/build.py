@@ -96,13 +96,14 @@ def _prebuilt() -> Path | None:
     return None
 
 
-def build(cc: str, target: Path, march: str = "native") -> None:
-    """Compile into a temporary name and rename it: concurrent first starts never load a half-written library."""
+def build(cc: str, target: Path, march: str = "native", source: Path | None = None) -> None:
+    """Compile `source` (default kernels.c) into a temporary name and rename it: concurrent first starts never load a
+    half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
     flags = [g for f in FLAGS for g in ([f] if f != "-march=native" else MARCH.get(march, [f"-march={march}"]))]
     try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(source or SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
@@ -130,10 +131,15 @@ def load() -> ctypes.CDLL | None:
             target = cache_root() / _library_name(cc)
             if not target.exists():
                 build(cc, target)
-        lib = ctypes.CDLL(str(target))
+        return open_library(target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("cpu kernels: could not build or load them (%s); torch's kernels run", exc)
         return None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built library with its functions typed, AMX tiles asked for unless $SPECSERVE_CPU_AMX is 0."""
+    lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
