@@ -104,6 +104,19 @@ def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny):
         assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
 
 
+def test_bf16_int4_speculation_keeps_plain_greedy_output_on_the_kernels(tiny):
+    """bf16: an int4 product's rows come out bit for bit the same at any row count (AMX tiles from AMX_MIN_ROWS rows
+    where the CPU has them, their twin on multiply-adds below), so greedy speculation with wide verify forwards
+    (chains of 6: 7 rows a sequence) still emits plain decoding's tokens."""
+    expected = [o.output_token_ids for o in run(make_core(tiny["llama"], quantization="int4", dtype="bfloat16"),
+                                                PROMPTS, GREEDY)]
+    core = make_core(tiny["llama"], quantization="int4", dtype="bfloat16", speculative_method="ngram", k=6,
+                     prompt_lookup_min=1)
+    outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=5)
+    assert [o.output_token_ids for o in outs] == expected
+    assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
+
+
 def test_switched_off_the_engine_runs_torch_kernels(tiny, monkeypatch):
     build.load.cache_clear()
     try:

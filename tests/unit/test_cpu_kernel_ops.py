@@ -45,34 +45,35 @@ def with_amx(on: bool) -> bool:
     return bool(lib.specserve_amx(int(on)))
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_q4_linear_of_bf16_activations_rounds_them_and_keeps_rows_apart(amx):
-    """A bf16 model's int4 product: on AMX tiles from AMX_MIN_ROWS rows (where the CPU has them), by multiply-adds
-    below. A row's result is bit for bit the same in every call on the same side of AMX_MIN_ROWS (20 rows: tile
-    chunks of 16 and 4); both sides are the product in fp32 sums (then rounded to bf16)."""
+def test_a_bf16_models_int4_product_is_the_same_bit_for_bit_at_every_row_count_tiles_or_not():
+    """A bf16 model's int4 product rounds its activations to bf16; where the CPU has AMX, calls of AMX_MIN_ROWS rows
+    or more run on its tiles and smaller ones on multiply-adds that repeat the tiles' arithmetic: every row's result
+    is bit for bit the same in a call of 1, 3, 7 or 20 rows (tile chunks of 16 and 4), tiles on or off, so a bf16
+    model's greedy speculative output stays its plain output."""
+    packed, _, dense = q4_weights(80, 96)
+    bias = torch.randn(80)
+    x = torch.randn(20, 96)
+    x[3, 5] = 1e-39  # a bf16 denormal: the tiles read it as zero, and so does the twin
+    expected = x.bfloat16().double() @ dense.T + bias.double()
     was = ops.amx(lib)
+    results = []
     try:
-        if with_amx(amx) != amx:
-            pytest.skip("this CPU, kernel or build has no AMX tiles")
-        few = lib.specserve_amx_min_rows() - 1  # the most rows below the tiles
-        packed, _, dense = q4_weights(80, 96)
-        bias = torch.randn(80)
-        x = torch.randn(20, 96).bfloat16()
-        expected = x.double() @ dense.T + bias.double()
-        fp32_sums = dict(rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-        y = ops.q4_linear(lib, x, *packed, bias)  # bf16, as the model's activations
-        small = torch.cat([ops.q4_linear(lib, x[r:r + few], *packed, bias) for r in range(0, 20, few)])
-        for out in (y, small):
-            assert out.dtype == torch.bfloat16 and torch.allclose(out.double(), expected, rtol=2 ** -8,
-                                                                  atol=2 ** -8 * expected.abs().max().item())
-        assert torch.allclose(ops.q4_linear(lib, x.float(), *packed, bias).double(), expected, **fp32_sums)
-        for r in range(20):
-            one = ops.q4_linear(lib, x[r:r + 1], *packed, bias)[0]
-            assert torch.equal(one, small[r])
-            seven = ops.q4_linear(lib, x[max(r - 6, 0):max(r - 6, 0) + 7], *packed, bias)[min(r, 6)]
-            assert torch.equal(seven, y[r])
+        for amx in (True, False):
+            if with_amx(amx) != amx:
+                continue  # no AMX here: the twin alone
+            y = ops.q4_linear_bf16_products(lib, x, *packed, bias)
+            assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+            for width in (1, 3, 7):
+                for r0 in range(0, 20, width):
+                    part = ops.q4_linear_bf16_products(lib, x[r0:r0 + width], *packed, bias)
+                    assert torch.equal(part, y[r0:r0 + width]), (amx, width, r0)
+            results.append(y)
     finally:
         with_amx(was)
+    assert all(torch.equal(y, results[0]) for y in results)
+    xb = x.bfloat16()  # the bf16 entry point (a bf16 model's activations) computes the same, then rounds it
+    assert torch.equal(ops.q4_linear(lib, xb, *packed, bias), ops.q4_linear_bf16_products(lib, xb.float(), *packed,
+                                                                                           bias).bfloat16())
 
 
 def test_int4_linear_on_the_kernels_applies_its_dequantized_weight():

@@ -43,6 +43,7 @@ MARCH = {"x86-64-v4-amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-m
 I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "specserve_q4_linear": [PTR, INT, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
+    "specserve_q4_linear_bf16": [PTR, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
     "specserve_q8_linear": [PTR, INT, I64, I64, PTR, PTR, I64, PTR],
     "specserve_llama_layer": [PTR, PTR, PTR, PTR, PTR, PTR],
     "specserve_bf16_linear": [PTR, INT, I64, I64, PTR, PTR, I64, PTR],
@@ -137,10 +138,13 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
-def open_library(path: Path) -> ctypes.CDLL:
-    """A built library with its functions typed, AMX tiles asked for unless $SPECSERVE_CPU_AMX is 0."""
+def open_library(path: Path, strict: bool = True) -> ctypes.CDLL:
+    """A built library with its functions typed, AMX tiles asked for unless $SPECSERVE_CPU_AMX is 0. Not `strict`
+    (a bench's library built from an earlier kernels.c): functions it lacks are left out."""
     lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
+        if not strict and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     for name, args in (("specserve_amx", [INT]), ("specserve_amx_on", []), ("specserve_amx_min_rows", [])):

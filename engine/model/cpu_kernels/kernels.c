@@ -219,10 +219,9 @@ static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out
  * inputs by its 32 x 16 codes (exact in bf16) in fp32, and the group's scale and minimum are applied after it: the
  * codes are unpacked once per group whatever the number of rows, so 16 rows cost about twice what one does (on the
  * multiply-adds of q4_block each row adds a multiply-add per weight). A tile product has a fixed cost that a few rows
- * do not repay: below AMX_MIN_ROWS rows the same rounded activations go through q4_block. The two differ only in the
- * order of fp32 sums, and a row's result is the same in every call on the same side of AMX_MIN_ROWS (in bf16,
- * near-ties may then depend on the batch, as the README says of bf16). amx_on: set once per process by specserve_amx
- * (Linux must grant the tile state); fp32 models never round their activations. */
+ * do not repay: below AMX_MIN_ROWS rows (and without AMX) q4_tile_twin repeats the tile instruction's arithmetic on
+ * AVX-512, bit for bit, so a row's result never depends on the call's width or on the tiles. amx_on: set once per
+ * process by specserve_amx (Linux must grant the tile state); fp32 models never round their activations. */
 #define AMX_ROWS 16
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 6
@@ -349,6 +348,98 @@ static void q4_amx(const uint16_t *xb, const float *sums, int64_t R, const Q4Wei
 }
 #endif
 
+/* The tile product's arithmetic without tiles, bit for bit: TDPBF16PS sums a row's even-indexed products of a group
+ * in order into one fp32 accumulator and its odd-indexed ones into another, then adds the two (checked against the
+ * hardware on 512k random sums: tests/unit/test_cpu_kernel_ops.py checks the kernels agree), so per group
+ * part = e + o with e = sum over even k of (128 + code_k) x_k and o over odd k (products exact in fp32), then the
+ * scale and minimum as amx_block applies them. Two groups at a time: four accumulator chains a row. */
+#ifdef SPECSERVE_AVX512
+static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t *w, const float *scales,
+                                                                  const float *minima, const float *xs,
+                                                                  const float *sums, int64_t K, int64_t G,
+                                                                  const int rows, float *out, int64_t N) {
+    __m512 total[ROW_BLOCK];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    /* 128 + code as fp32 bits: 0x43000000 | code << 16 (the exponent of 128, the code in the mantissa's 2^0 bits) */
+    const __m512i nibble = _mm512_set1_epi32(0x000f0000), base = _mm512_set1_epi32(0x43000000);
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {
+        const int ng = G - g0 < 2 ? 1 : 2;
+        __m512 even[2][ROW_BLOCK], odd[2][ROW_BLOCK];
+        for (int u = 0; u < 2; u++)
+            for (int r = 0; r < rows; r++) even[u][r] = odd[u][r] = _mm512_setzero_ps();
+        for (int u = 0; u < ng; u++)
+            for (int line = 0; line < 256; line += 64)
+                _mm_prefetch((const char *)(w + (g0 + u) * (GROUP / 2) * 16) + 4096 + line, _MM_HINT_T0);
+        for (int p = 0; p < GROUP / 2; p++)
+            for (int u = 0; u < ng; u++) {
+                const int64_t g = g0 + u;
+                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * (GROUP / 2) * 16 + p * 16)));
+                const __m512 lo = _mm512_castsi512_ps(
+                    _mm512_ternarylogic_epi32(_mm512_slli_epi32(c, 16), nibble, base, 0xEA)); /* (a & b) | c */
+                const __m512 hi = _mm512_castsi512_ps(
+                    _mm512_ternarylogic_epi32(_mm512_slli_epi32(c, 12), nibble, base, 0xEA));
+                for (int r = 0; r < rows; r++) {
+                    const float *x = xs + r * K + g * GROUP + 2 * p;
+                    even[u][r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(x[0]), even[u][r]);
+                    odd[u][r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(x[1]), odd[u][r]);
+                }
+            }
+        for (int u = 0; u < ng; u++) {
+            const int64_t g = g0 + u;
+            const __m512 sc = _mm512_loadu_ps(scales + g * 16);
+            const __m512 mn = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), sc, _mm512_loadu_ps(minima + g * 16));
+            for (int r = 0; r < rows; r++) {
+                total[r] = _mm512_fmadd_ps(_mm512_add_ps(even[u][r], odd[u][r]), sc, total[r]);
+                total[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[r * G + g]), total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
+}
+#endif
+
+/* xr [R, K] (bf16-rounded values) and their group sums -> out [R, N], the tile product's arithmetic (no bias) */
+static void q4_tile_twin(const float *xr, const float *sums, int64_t R, const Q4Weights *w, float *out) {
+    const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16;
+#ifdef SPECSERVE_AVX512
+#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
+        const float *sc = w->scales + b * G * 16, *mn = w->minima + b * G * 16;
+        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *xq = xr + r0 * K, *sr = sums + r0 * G;
+            float *o = out + r0 * N + b * 16;
+            switch (R - r0 < ROW_BLOCK ? (int)(R - r0) : ROW_BLOCK) {
+            case 1: tile_twin_block(wb, sc, mn, xq, sr, K, G, 1, o, N); break;
+            case 2: tile_twin_block(wb, sc, mn, xq, sr, K, G, 2, o, N); break;
+            case 3: tile_twin_block(wb, sc, mn, xq, sr, K, G, 3, o, N); break;
+            default: tile_twin_block(wb, sc, mn, xq, sr, K, G, 4, o, N); break;
+            }
+        }
+    }
+#else
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t b = n / 16, lane = n % 16;
+            float total = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                const uint8_t *wg = w->codes + (b * G + g) * (GROUP / 2) * 16;
+                float even = 0.0f, odd = 0.0f;
+                for (int p = 0; p < GROUP / 2; p++) {
+                    const uint8_t byte = wg[p * 16 + lane];
+                    even += (float)(128 + (byte & 15)) * xr[r * K + g * GROUP + 2 * p];
+                    odd += (float)(128 + (byte >> 4)) * xr[r * K + g * GROUP + 2 * p + 1];
+                }
+                const float sc = w->scales[(b * G + g) * 16 + lane];
+                total = fmaf(even + odd, sc, total);
+                total = fmaf(fmaf(-128.0f, sc, w->minima[(b * G + g) * 16 + lane]), sums[r * G + g], total);
+            }
+            out[r * N + n] = total;
+        }
+    (void)blocks;
+#endif
+}
+
 /* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias): AMX tiles from AMX_MIN_ROWS rows, else q4_block */
 static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float *out) {
     const int64_t K = w->K, G = K / GROUP;
@@ -360,7 +451,10 @@ static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float
 #if defined(__AVX512BF16__)
             __m512 s = _mm512_setzero_ps();
             for (int i = 0; i < GROUP; i += 16) { /* round to nearest even, as f32_to_bf16 */
-                const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xs + at + i));
+                __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xs + at + i));
+                /* zero or denormal: zero (keeping the sign), as the tiles read it */
+                const __mmask16 tiny = _mm256_testn_epi16_mask(h, _mm256_set1_epi16(0x7f80));
+                h = _mm256_mask_mov_epi16(h, tiny, _mm256_and_si256(h, _mm256_set1_epi16((short)0x8000)));
                 const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
                 _mm256_storeu_si256((__m256i *)(xb + at + i), h);
                 _mm512_storeu_ps(xr + at + i, v);
@@ -370,7 +464,8 @@ static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float
 #else
             float s = 0.0f;
             for (int i = 0; i < GROUP; i++) {
-                xb[at + i] = f32_to_bf16(xs[at + i]);
+                const uint16_t h = f32_to_bf16(xs[at + i]);
+                xb[at + i] = (h & 0x7f80) ? h : (uint16_t)(h & 0x8000); /* denormals as zero, as the tiles read them */
                 xr[at + i] = bf16_to_f32(xb[at + i]);
                 s += xr[at + i];
             }
@@ -382,7 +477,7 @@ static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float
         q4_amx(xb, sums, R, w, out);
     else
 #endif
-        q4_lanes(xr, sums, R, w, out);
+        q4_tile_twin(xr, sums, R, w, out);
     add_bias(w, R, out);
     free(xb);
     free(xr);
@@ -452,6 +547,14 @@ void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const u
     q4_product(dtype, xs, R, &w, out);
     for (int64_t r = 0; r < R; r++) store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
     free(xs);
+}
+
+/* x [R, K] fp32 -> y [R, N] fp32: the product a bf16 model's int4 layer computes (activations rounded to bf16, the
+ * tiles or their twin), its output not rounded: for tests and benches, which compare it bit for bit. */
+void specserve_q4_linear_bf16(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
+                              const float *minima, const float *bias, int64_t N, float *y) {
+    const Q4Weights w = {codes, scales, minima, bias, K, N};
+    q4_matmul_bf16(x, R, &w, y);
 }
 
 /* x [R, K] (dtype) -> y [R, N] fp32 through bf16_matmul (W [N, K] bf16, bias fp32 or NULL). */

@@ -112,6 +112,20 @@ def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: t
     return y
 
 
+def q4_linear_bf16_products(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                            minima: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [R, K] fp32 -> [R, N] fp32: what a bf16 model's int4 layer computes from x (rounded to bf16 inside), before
+    its output is rounded; for tests and benches."""
+    x = x.float().contiguous()
+    blocks, groups, _, _ = packed.shape
+    if x.shape[1] != groups * GROUP or scales.shape != (blocks, groups, LANES):
+        raise ValueError(f"q4_linear_bf16_products: x {tuple(x.shape)} does not fit weights")
+    y = torch.empty(x.shape[0], blocks * LANES, dtype=torch.float32)
+    lib.specserve_q4_linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
+                                 minima.data_ptr(), _ptr(bias), blocks * LANES, y.data_ptr())
+    return y
+
+
 def attention(lib: ctypes.CDLL, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, kv_heads: int,
               slots: torch.Tensor, mask: torch.Tensor, token_index: torch.Tensor, output_index: torch.Tensor,
               scale: float, out: torch.Tensor) -> None:
