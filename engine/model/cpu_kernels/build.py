@@ -104,8 +104,8 @@ def build(cc: str, target: Path, march: str = "native", source: Path | None = No
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
     flags = [g for f in FLAGS for g in ([f] if f != "-march=native" else MARCH.get(march, [f"-march={march}"]))]
     try:
-        done = subprocess.run([cc, *flags, str(source or SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([cc, *flags, str(source or SOURCE), "-o", str(partial), "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.replace(partial, target)
@@ -148,6 +148,8 @@ def open_library(path: Path, strict: bool = True) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     for name, args in (("specserve_amx", [INT]), ("specserve_amx_on", []), ("specserve_amx_min_rows", [])):
+        if not strict and not hasattr(lib, name):
+            return lib  # a library from before the AMX tiles
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, INT
     if os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "false", "no", "off"):
         lib.specserve_amx(1)  # asks Linux for the tile state once; 0 where the CPU, kernel or build lacks it

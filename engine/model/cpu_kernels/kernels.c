@@ -373,7 +373,8 @@ static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t 
         for (int p = 0; p < GROUP / 2; p++)
             for (int u = 0; u < ng; u++) {
                 const int64_t g = g0 + u;
-                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * (GROUP / 2) * 16 + p * 16)));
+                const uint8_t *bytes = w + g * (GROUP / 2) * 16 + p * 16;
+                const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
                 const __m512 lo = _mm512_castsi512_ps(
                     _mm512_ternarylogic_epi32(_mm512_slli_epi32(c, 16), nibble, base, 0xEA)); /* (a & b) | c */
                 const __m512 hi = _mm512_castsi512_ps(
@@ -796,7 +797,8 @@ static void attend(const void *q, int q_dtype, int64_t q_stride, int64_t H, int6
                 if (allowed[l]) keys[count++] = slots[b * L + l];
             for (int64_t hh = 0; hh < group; hh++)
                 load_row((const char *)q + (t * q_stride + (g * group + hh) * D) * q_esize, q_dtype, D, qv + hh * D);
-            const char *k_head = (const char *)k_pool + g * D * kv_esize, *v_head = (const char *)v_pool + g * D * kv_esize;
+            const char *k_head = (const char *)k_pool + g * D * kv_esize;
+            const char *v_head = (const char *)v_pool + g * D * kv_esize;
             const int64_t row_bytes = H_kv * D * kv_esize;
             if (!group_scores(qv, group, D, k_head, row_bytes, kv_dtype, keys, count, scale, L, scores))
                 for (int64_t c = 0; c < count; c++) {
