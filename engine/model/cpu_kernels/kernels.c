@@ -5,7 +5,8 @@
  *
  *   q4_linear  y = x W^T (+ bias) with W in 4-bit groups of 32 along the input: w = code * scale + minimum, the
  *              layout of a GGUF Q4_1 block (code i of a group in byte i's low nibble, code i + 16 in its high one),
- *              fp32 scales and minima, fp32 accumulation.
+ *              fp32 scales and minima, fp32 accumulation; a bf16 model's activations rounded to bf16 first, and
+ *              from AMX_MIN_ROWS rows on AMX tiles where the CPU has them (below: their arithmetic, bit for bit).
  *   attention  softmax(q k^T * scale) v over the paged KV pool for a group of query rows, each reading the key slots
  *              its mask row allows (causal, windows, chunks and token trees are all just masks), fp32 throughout.
  *
