@@ -76,11 +76,14 @@ def test_ngram_and_predicted_outputs_on_the_real_demo_target(demo_llm):
                                                  tokenize=False)
     passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly "
                "quick daft zebras jump.")
+    # a fixed k: what is tested is how well lookup drafts a real model's copy, not adaptive k's plan (which follows
+    # measured step costs, and so this machine's moment: one CI run drafted 7 tokens under auto)
     out = llm.generate(chat("Repeat the following text exactly, word for word:\n" + passage),
-                       SamplingParams(temperature=0, max_tokens=48, speculative_method="ngram"))[0]
+                       SamplingParams(temperature=0, max_tokens=48, speculative_method="ngram",
+                                      num_speculative_tokens=4))[0]
     s = out.speculation
     assert "five dozen liquor jugs" in out.text and s.method == "ngram"
-    assert s.num_draft_tokens >= 16 and s.num_accepted_tokens / s.num_draft_tokens > 0.6  # 23 / 28 when written
+    assert s.num_draft_tokens >= 16 and s.num_accepted_tokens / s.num_draft_tokens > 0.6  # 23 / 28 at k = 4
     q = chat("Write a Python function that returns the sum of a list.")
     plain = llm.generate(q, SamplingParams(temperature=0, max_tokens=64, speculative_method="none"))[0]
     pred = llm.generate(q, SamplingParams(temperature=0, max_tokens=64, prediction=plain.text))[0]
