@@ -46,6 +46,11 @@ class _Counts:
         return [(h + weight * p) / (t + weight) for h, t, p in zip(self.hits, self.trials, prior)]
 
 
+def method_of(key: str) -> str:
+    """The method a population key belongs to ("ngram/4" -> "ngram"; a method's own name is its own key)."""
+    return key.split("/", 1)[0]
+
+
 class AcceptanceTracker:
     def __init__(self, k_max: int, tree_methods: frozenset = frozenset()):
         self.k_max = max(1, k_max)
@@ -55,7 +60,7 @@ class AcceptanceTracker:
         self.idle: dict[str, int] = {}  # steps since the request last speculated
 
     def _is_tree(self, key: str) -> bool:
-        return key.split("/", 1)[0] in self.tree_methods
+        return method_of(key) in self.tree_methods
 
     def _uninformed(self, method: str) -> list[float]:
         if self._is_tree(method):
@@ -75,7 +80,7 @@ class AcceptanceTracker:
         """The method's per-slot estimates over its recent rows; a refinement ("ngram/4") starts from its method's
         pooled estimate, which every refinement's rows also feed."""
         counts = self._method.get(method)
-        base = method.split("/", 1)[0]
+        base = method_of(method)
         prior = self.population(base) if base != method else self._uninformed(method)
         return self._monotone(method, prior if counts is None else counts.mean(prior, PRIOR_WEIGHT))
 
@@ -108,7 +113,7 @@ class AcceptanceTracker:
         for counts in mine.values():
             counts.decay(REQUEST_DECAY)
         mine.setdefault(method, _Counts(self.k_max)).add(slots)
-        for key in dict.fromkeys((method, method.split("/", 1)[0])):  # the refinement and its method's pool
+        for key in dict.fromkeys((method, method_of(method))):  # the refinement and its method's pool
             shared = self._method.setdefault(key, _Counts(self.k_max))
             shared.decay(POPULATION_DECAY)
             shared.add(slots)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from specserve.engine.request import Request
-from specserve.engine.spec_decode.acceptance import PROBE_EVERY, AcceptanceTracker
+from specserve.engine.spec_decode.acceptance import PROBE_EVERY, AcceptanceTracker, method_of
 from specserve.engine.spec_decode.adaptive import Row, StepBase, plan
 from specserve.engine.spec_decode.costs import StepCosts
 
@@ -88,7 +88,7 @@ class AdaptiveController:
     def observe_verified(self, request_id: str, method: str, k: int, m: int, path: list[int] | None) -> None:
         """Request `request_id` proposed k nodes with `method`, m were accepted (`path`: a tree's accepted nodes)."""
         key = self._population.get(request_id, method)  # what its plan assumed, if its method drafted
-        self.tracker.observe(request_id, key if key.split("/", 1)[0] == method else method, k, m, path)
+        self.tracker.observe(request_id, key if method_of(key) == method else method, k, m, path)
         expected = self._expected.pop(request_id, None)
         if expected is not None:  # planned this step (a proposer may have returned fewer than planned)
             log = self.accepted_log.setdefault(method, [0.0, 0.0, 0])
