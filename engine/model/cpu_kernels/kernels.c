@@ -173,9 +173,22 @@ typedef struct {
     int64_t K, N;
 } Q4Weights;
 
-/* xs [R, K] fp32 and sums [R, G] (each group's input sum) -> out [R, N] fp32, without the bias */
-static void q4_lanes(const float *xs, const float *sums, int64_t R, const Q4Weights *w, float *out) {
+#ifdef SPECSERVE_AVX512
+static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t *w, const float *scales,
+                                                                  const float *minima, const float *xs,
+                                                                  const float *sums, int64_t K, int64_t G,
+                                                                  const int rows, float *out, int64_t N);
+#define Q4_BLOCK(n)                                                                                                    \
+    (twin ? tile_twin_block(wb, sc, mn, xr, sr, K, G, n, o, N) : q4_block(wb, sc, mn, xr, sr, K, G, n, o, N))
+#else
+#define Q4_BLOCK(n) q4_block(wb, sc, mn, xr, sr, K, G, n, o, N)
+#endif
+
+/* xs [R, K] fp32 and sums [R, G] (each group's input sum) -> out [R, N] fp32, without the bias: each block of 16
+ * outputs by q4_block, or with `twin` (AVX-512 only) by tile_twin_block, the AMX tiles' arithmetic */
+static void q4_lanes(const float *xs, const float *sums, int64_t R, const Q4Weights *w, float *out, int twin) {
     const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16;
+    (void)twin;
 #pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
@@ -184,14 +197,15 @@ static void q4_lanes(const float *xs, const float *sums, int64_t R, const Q4Weig
             const float *xr = xs + r0 * K, *sr = sums + r0 * G;
             float *o = out + r0 * N + b * 16;
             switch (R - r0 < ROW_BLOCK ? (int)(R - r0) : ROW_BLOCK) {
-            case 1: q4_block(wb, sc, mn, xr, sr, K, G, 1, o, N); break;
-            case 2: q4_block(wb, sc, mn, xr, sr, K, G, 2, o, N); break;
-            case 3: q4_block(wb, sc, mn, xr, sr, K, G, 3, o, N); break;
-            default: q4_block(wb, sc, mn, xr, sr, K, G, 4, o, N); break;
+            case 1: Q4_BLOCK(1); break;
+            case 2: Q4_BLOCK(2); break;
+            case 3: Q4_BLOCK(3); break;
+            default: Q4_BLOCK(4); break;
             }
         }
     }
 }
+#undef Q4_BLOCK
 
 static void add_bias(const Q4Weights *w, int64_t R, float *out) {
     if (w->bias)
@@ -209,7 +223,7 @@ static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out
             for (int i = 0; i < GROUP; i++) s += xs[r * K + g * GROUP + i];
             sums[r * G + g] = s;
         }
-    q4_lanes(xs, sums, R, w, out);
+    q4_lanes(xs, sums, R, w, out, 0);
     add_bias(w, R, out);
     free(sums);
 }
@@ -224,9 +238,7 @@ static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out
  * AVX-512, bit for bit, so a row's result never depends on the call's width or on the tiles. amx_on: set once per
  * process by specserve_amx (Linux must grant the tile state); fp32 models never round their activations. */
 #define AMX_ROWS 16
-#ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 6
-#endif
 static int amx_on = 0;
 
 int specserve_amx(int want) {
@@ -402,24 +414,10 @@ static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t 
 
 /* xr [R, K] (bf16-rounded values) and their group sums -> out [R, N], the tile product's arithmetic (no bias) */
 static void q4_tile_twin(const float *xr, const float *sums, int64_t R, const Q4Weights *w, float *out) {
-    const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16;
 #ifdef SPECSERVE_AVX512
-#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
-        const float *sc = w->scales + b * G * 16, *mn = w->minima + b * G * 16;
-        for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-            const float *xq = xr + r0 * K, *sr = sums + r0 * G;
-            float *o = out + r0 * N + b * 16;
-            switch (R - r0 < ROW_BLOCK ? (int)(R - r0) : ROW_BLOCK) {
-            case 1: tile_twin_block(wb, sc, mn, xq, sr, K, G, 1, o, N); break;
-            case 2: tile_twin_block(wb, sc, mn, xq, sr, K, G, 2, o, N); break;
-            case 3: tile_twin_block(wb, sc, mn, xq, sr, K, G, 3, o, N); break;
-            default: tile_twin_block(wb, sc, mn, xq, sr, K, G, 4, o, N); break;
-            }
-        }
-    }
+    q4_lanes(xr, sums, R, w, out, 1);
 #else
+    const int64_t K = w->K, N = w->N, G = K / GROUP;
     for (int64_t r = 0; r < R; r++)
         for (int64_t n = 0; n < N; n++) {
             const int64_t b = n / 16, lane = n % 16;
@@ -438,7 +436,6 @@ static void q4_tile_twin(const float *xr, const float *sums, int64_t R, const Q4
             }
             out[r * N + n] = total;
         }
-    (void)blocks;
 #endif
 }
 
