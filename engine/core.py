@@ -48,7 +48,7 @@ from specserve.engine.spec_decode.base import ProposerContext
 from specserve.engine.spec_decode.controller import AdaptiveController, CostSource
 from specserve.engine.spec_decode.layout import RowLayout
 from specserve.engine.spec_decode.prediction import PredictionProposer, prediction_usage
-from specserve.engine.spec_decode.registry import NONE, check_methods, proposer_class
+from specserve.engine.spec_decode.registry import NONE, load_proposers
 from specserve.engine.spec_decode.router import ProposalRouter, RowProposal, draft_batch
 from specserve.engine.spec_decode.step_results import count_speculation, path_moves
 from specserve.engine.stats import EngineTotals, StepStats
@@ -95,7 +95,7 @@ class EngineCore:
         ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
                               self.dtype, remote, tree_attention, target.get_output_embeddings().weight,
                               target.get_input_embeddings(), self.quantization)
-        proposers, adaptive = self._load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
+        proposers, adaptive = load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
         self.default_method = next(iter(proposers), NONE)
         self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
         self.controller = AdaptiveController(self.num_speculative_tokens,
@@ -169,22 +169,6 @@ class EngineCore:
         """Stop the tensor-parallel workers (nothing to do on one device)."""
         if self.sharded is not None:
             self.sharded.close()
-
-    @staticmethod
-    def _load_proposers(config: EngineConfig, ctx: ProposerContext, demo_draft) -> tuple[dict, frozenset]:
-        """-> (name -> loaded method, the default first; names of the methods whose k adapts)."""
-        check_methods(config)
-        proposers, adaptive = {}, set()
-        for m in config.speculative_methods:
-            cls = proposer_class(m.method)
-            if cls.uses_draft_model and m.model is None:
-                if demo_draft is None:
-                    raise ValueError(f"draft_model: speculative method {cls.name!r} needs a draft model")
-                m = dataclasses.replace(m, model=str(demo_draft))  # the demo target's bundled draft
-            proposers[cls.name] = cls.load(m, ctx)
-            if m.adaptive:
-                adaptive.add(cls.name)
-        return proposers, frozenset(adaptive)
 
     @property
     def proposers(self) -> dict:

@@ -6,6 +6,7 @@ Adding a method: write `engine/spec_decode/<name>.py` with a class implementing 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import MappingProxyType
 
@@ -57,3 +58,21 @@ def proposer_class(name: str, field: str = "speculative_method"):
                          f"{', '.join(proposer_names() + [NONE])}")
     module, cls = PROPOSERS[name].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def load_proposers(config, ctx, demo_draft) -> tuple[dict, frozenset]:
+    """Every method of `config` loaded with `ctx` (base.ProposerContext); a draft method without a model gets
+    `demo_draft` (the demo target's bundled draft; None: an error). -> (name -> loaded method, the default first;
+    names of the methods whose k adapts)."""
+    check_methods(config)
+    proposers, adaptive = {}, set()
+    for m in config.speculative_methods:
+        cls = proposer_class(m.method)
+        if cls.uses_draft_model and m.model is None:
+            if demo_draft is None:
+                raise ValueError(f"draft_model: speculative method {cls.name!r} needs a draft model")
+            m = dataclasses.replace(m, model=str(demo_draft))
+        proposers[cls.name] = cls.load(m, ctx)
+        if m.adaptive:
+            adaptive.add(cls.name)
+    return proposers, frozenset(adaptive)
