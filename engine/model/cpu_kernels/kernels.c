@@ -32,6 +32,10 @@
 /* Work below this many multiply-adds runs on the calling thread: waking the OpenMP team costs more than it saves,
  * and its threads spin after each region, taking a core from other processes (a server beside its clients). */
 #define PARALLEL_WORK (1 << 18)
+/* Attention's threshold counts score multiply-adds (n x H x L x D), but each costs several times a product's: the
+ * key list, K/V rows converted, exponentials. At PARALLEL_WORK, 4 decode rows of the demo target (9 heads of 64)
+ * stayed on one thread below 114 keys (its whole chat) while the other thread spun: 13% of a 4-row step. */
+#define ATTENTION_PARALLEL_WORK (1 << 15)
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -780,7 +784,7 @@ static void attend(const void *q, int q_dtype, int64_t q_stride, int64_t H, int6
                    float scale, void *out, int out_dtype, int64_t out_stride) {
     const int64_t group = H / H_kv, q_esize = q_dtype ? 2 : 4, out_esize = out_dtype ? 2 : 4;
     const int64_t kv_esize = kv_dtype ? 2 : 4;
-#pragma omp parallel if (n * H * L * D >= PARALLEL_WORK)
+#pragma omp parallel if (n * H_kv >= 2 && n * H * L * D >= ATTENTION_PARALLEL_WORK)
     {
         float *buf = (float *)malloc((size_t)(MAX_GROUP * L + 2 * MAX_GROUP * D + D + L) * sizeof(float));
         float *scores = buf, *qv = scores + MAX_GROUP * L, *acc = qv + MAX_GROUP * D, *kv = acc + MAX_GROUP * D;
