@@ -11,6 +11,7 @@ from specserve.engine.request import Request
 from specserve.engine.sample.rejection import greedy_accept, rejection_sample
 from specserve.engine.sample.sampler import (
     SamplingTensors,
+    argmax_rows,
     depth_noise,
     exponential_noise,
     processed_probs,
@@ -58,7 +59,7 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], offsets
             r.params.greedy and not r.params.has_penalties for r in requests):
         # greedy chains (and plain steps), the common case: argmax ids alone decide (greedy_accept), so none of the
         # general rule's tensors (ancestors, sampling parameters, noise) are built: ~1.5 ms of a 4-row CPU step
-        out = greedy_accept(logits.float().argmax(-1)[pad_index], draft_ids, num_draft)
+        out = greedy_accept(argmax_rows(logits)[pad_index], draft_ids, num_draft)
         tokens, emitted = out.output_token_ids, out.num_emitted_draft_tokens
         path = torch.minimum(j, emitted[:, None])
     else:
@@ -92,7 +93,7 @@ def _general(logits: torch.Tensor, requests: list[Request], ks: list[int], draft
     counts = _penalty_counts(requests, ks, draft_ids, ancestors, vocab) if st.any_penalty else None
     trees, with_q = set(drafts.tree_rows), set(drafts.prob_rows)
     # all greedy, no penalties: p is one-hot at the argmax, and chains need only the argmax ids (greedy_accept)
-    target_ids = logits.float().argmax(-1)[pad_index] if st.all_greedy and counts is None else None  # [B, K+1]
+    target_ids = argmax_rows(logits)[pad_index] if st.all_greedy and counts is None else None  # [B, K+1]
     p_nodes = processed_probs(logits, st, counts)[pad_index] if target_ids is None or trees else None  # [B, K+1, V]
     gens = [r.generator for r in requests]
     tokens = torch.full((batch, k_max + 1), -1, dtype=torch.long, device=device)

@@ -9,7 +9,7 @@ import torch
 
 from specserve.engine.request import Request
 from specserve.engine.sample.grammar import apply_bitmask, biased, fill_next_token_bitmask, words
-from specserve.engine.sample.sampler import SamplingTensors, exponential_noise, processed_probs, sample
+from specserve.engine.sample.sampler import SamplingTensors, argmax_rows, exponential_noise, processed_probs, sample
 from specserve.engine.spec_decode.base import Proposal
 
 
@@ -36,7 +36,7 @@ class ChainSampler:
             logits = self._constrained(logits)
         q = processed_probs(logits, _select(self.st, idx))  # [A, V]
         if self.st.all_greedy:  # one-hot q: the argmax needs no noise (and greedy rows consume none)
-            drafted = q.argmax(dim=-1)
+            drafted = argmax_rows(q)
         else:
             noise = exponential_noise([requests[a].generator for a in active], self.vocab, self.default_generator,
                                       self.device)

@@ -293,3 +293,25 @@ def test_unseeded_uniform_rows_come_from_the_default_generator():
     expected = torch.rand(3, 4, generator=_gen(3))
     assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[2])
     assert uniform_noise([None, None], [0, 0], 0, _gen(0), CPU).shape == (2, 0)
+
+
+def test_argmax_rows_is_argmax_with_ties_nan_and_odd_shapes():
+    from specserve.engine.sample.sampler import ARGMAX_BLOCK, argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 8 * ARGMAX_BLOCK
+    cases = [torch.randn(5, vocab, generator=g),
+             torch.randint(-3, 3, (7, vocab), generator=g).float(),  # many ties: the first maximum wins
+             torch.full((2, vocab), float("-inf")),
+             torch.randn(3, 2, vocab, generator=g).bfloat16(),  # leading dimensions, half precision
+             torch.randn(0, vocab),
+             torch.randn(4, vocab + 3, generator=g)]  # not a multiple of the block: torch's argmax
+    nan = torch.randn(4, vocab, generator=g)
+    nan[0, 5 * ARGMAX_BLOCK + 7] = nan[0, 9] = float("nan")  # the first NaN, in another block than the maximum
+    nan[1, 3] = float("inf")
+    cases.append(nan)
+    for x in cases:
+        assert torch.equal(argmax_rows(x), x.argmax(-1))
+    tie = torch.zeros(1, vocab)
+    tie[0, 3 * ARGMAX_BLOCK + 1] = tie[0, 6 * ARGMAX_BLOCK] = 1.0
+    assert argmax_rows(tie).tolist() == [3 * ARGMAX_BLOCK + 1]

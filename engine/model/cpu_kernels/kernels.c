@@ -177,6 +177,24 @@ typedef struct {
     int64_t K, N;
 } Q4Weights;
 
+/* TEAM marks a function every thread of the calling OpenMP team must call alike (its loops are orphaned `omp for`s,
+ * ending in the team's barrier); called outside a parallel region it runs on the calling thread alone. A layer
+ * (specserve_llama_layer) is one parallel region: waking the team once per layer rather than once per product, and
+ * splitting the row-wise work between the products, which one thread did while the others spun. Scratch: a
+ * product's shared buffers for up to R rows of K inputs (scratch_alloc), allocated before the region. */
+typedef struct {
+    float *xr, *sums; /* [R, K] activations as the product reads them, [R, K / GROUP] their group sums */
+    uint16_t *xb;     /* [R, K] the bf16 activations the tiles read */
+} Scratch;
+
+static void *scratch_alloc(int64_t R, int64_t K, Scratch *s) {
+    float *block = (float *)malloc((size_t)(R * K + R * (K / GROUP) + (R * K + 1) / 2 + 16) * sizeof(float));
+    s->xr = block;
+    s->sums = block + R * K;
+    s->xb = (uint16_t *)(s->sums + R * (K / GROUP));
+    return block;
+}
+
 #ifdef SPECSERVE_AVX512
 static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t *w, const float *scales,
                                                                   const float *minima, const float *xs,
@@ -189,11 +207,11 @@ static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t 
 #endif
 
 /* xs [R, K] fp32 and sums [R, G] (each group's input sum) -> out [R, N] fp32, without the bias: each block of 16
- * outputs by q4_block, or with `twin` (AVX-512 only) by tile_twin_block, the AMX tiles' arithmetic */
+ * outputs by q4_block, or with `twin` (AVX-512 only) by tile_twin_block, the AMX tiles' arithmetic. TEAM. */
 static void q4_lanes(const float *xs, const float *sums, int64_t R, const Q4Weights *w, float *out, int twin) {
     const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16;
     (void)twin;
-#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *wb = w->codes + b * G * (GROUP / 2) * 16;
         const float *sc = w->scales + b * G * 16, *mn = w->minima + b * G * 16;
@@ -211,16 +229,19 @@ static void q4_lanes(const float *xs, const float *sums, int64_t R, const Q4Weig
 }
 #undef Q4_BLOCK
 
+/* TEAM */
 static void add_bias(const Q4Weights *w, int64_t R, float *out) {
     if (w->bias)
+#pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
             for (int64_t n = 0; n < w->N; n++) out[r * w->N + n] += w->bias[n];
 }
 
-/* xs [R, K] fp32 -> out [R, N] fp32 (bias included). */
-static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+/* xs [R, K] fp32 -> out [R, N] fp32 (bias included). TEAM. */
+static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out, const Scratch *scratch) {
     const int64_t K = w->K, G = K / GROUP;
-    float *sums = (float *)malloc((size_t)(R * G) * sizeof(float)); /* [R, G]: each group's input sum */
+    float *sums = scratch->sums; /* [R, G]: each group's input sum */
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
             float s = 0.0f;
@@ -229,7 +250,6 @@ static void q4_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out
         }
     q4_lanes(xs, sums, R, w, out, 0);
     add_bias(w, R, out);
-    free(sums);
 }
 
 /* ---- int4 products of bf16 activations (a bf16 model's), on AMX tiles for many rows ------------------------------
@@ -335,9 +355,9 @@ static inline __attribute__((always_inline)) void amx_block(const uint8_t *wb, c
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
 }
 
+/* TEAM */
 static void q4_amx(const uint16_t *xb, const float *sums, int64_t R, const Q4Weights *w, float *out) {
     const int64_t K = w->K, N = w->N, G = K / GROUP, blocks = N / 16, chunks = (R + AMX_ROWS - 1) / AMX_ROWS;
-#pragma omp parallel if (R * N * K >= PARALLEL_WORK)
     {
         int configured = 0;
 #pragma omp for schedule(static)
@@ -416,12 +436,14 @@ static inline __attribute__((always_inline)) void tile_twin_block(const uint8_t 
 }
 #endif
 
-/* xr [R, K] (bf16-rounded values) and their group sums -> out [R, N], the tile product's arithmetic (no bias) */
+/* xr [R, K] (bf16-rounded values) and their group sums -> out [R, N], the tile product's arithmetic (no bias).
+ * TEAM. */
 static void q4_tile_twin(const float *xr, const float *sums, int64_t R, const Q4Weights *w, float *out) {
 #ifdef SPECSERVE_AVX512
     q4_lanes(xr, sums, R, w, out, 1);
 #else
     const int64_t K = w->K, N = w->N, G = K / GROUP;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < R; r++)
         for (int64_t n = 0; n < N; n++) {
             const int64_t b = n / 16, lane = n % 16;
@@ -443,11 +465,13 @@ static void q4_tile_twin(const float *xr, const float *sums, int64_t R, const Q4
 #endif
 }
 
-/* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias): AMX tiles from AMX_MIN_ROWS rows, else q4_block */
-static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+/* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias): AMX tiles from AMX_MIN_ROWS rows, else their
+ * twin. TEAM. */
+static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float *out, const Scratch *scratch) {
     const int64_t K = w->K, G = K / GROUP;
-    float *xr = (float *)malloc((size_t)(R * K + R * G) * sizeof(float)), *sums = xr + R * K;
-    uint16_t *xb = (uint16_t *)malloc((size_t)(R * K) * sizeof(uint16_t));
+    float *xr = scratch->xr, *sums = scratch->sums;
+    uint16_t *xb = scratch->xb;
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t at = r * K + g * GROUP;
@@ -482,19 +506,18 @@ static void q4_matmul_bf16(const float *xs, int64_t R, const Q4Weights *w, float
 #endif
         q4_tile_twin(xr, sums, R, w, out);
     add_bias(w, R, out);
-    free(xb);
-    free(xr);
 }
 
 /* xs [R, K] fp32 -> out [R, N] fp32 = round_bf16(xs) W^T (+ bias) for W [N, K] bf16 row-major (a dense layer of a
  * bf16 model, which multiplies bf16 activations): products exact in fp32, fp32 sums; K a multiple of 32.
- * Q4Weights carries it: codes = W, scales and minima unused. */
-static void bf16_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out) {
+ * Q4Weights carries it: codes = W, scales and minima unused. TEAM. */
+static void bf16_matmul(const float *xs, int64_t R, const Q4Weights *w, float *out, const Scratch *scratch) {
     const int64_t K = w->K, N = w->N;
     const uint16_t *W = (const uint16_t *)w->codes;
-    uint16_t *xb = (uint16_t *)malloc((size_t)(R * K) * sizeof(uint16_t));
+    uint16_t *xb = scratch->xb;
+#pragma omp for schedule(static)
     for (int64_t i = 0; i < R * K; i++) xb[i] = f32_to_bf16(xs[i]);
-#pragma omp parallel for schedule(static) if (R * N * K >= PARALLEL_WORK)
+#pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t *wn = W + n * K;
         for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
@@ -520,23 +543,24 @@ static void bf16_matmul(const float *xs, int64_t R, const Q4Weights *w, float *o
             for (int r = 0; r < rows; r++) out[(r0 + r) * N + n] = acc[r] + (w->bias ? w->bias[n] : 0.0f);
         }
     }
-    free(xb);
 }
 
-/* an int4 product for a model whose activations are `dtype` (0 fp32, 1 bf16) */
-static void q4_product(int dtype, const float *xs, int64_t R, const Q4Weights *w, float *out) {
+/* an int4 product for a model whose activations are `dtype` (0 fp32, 1 bf16). TEAM. */
+static void q4_product(int dtype, const float *xs, int64_t R, const Q4Weights *w, float *out,
+                       const Scratch *scratch) {
     if (dtype == 1)
-        q4_matmul_bf16(xs, R, w, out);
+        q4_matmul_bf16(xs, R, w, out, scratch);
     else
-        q4_matmul(xs, R, w, out);
+        q4_matmul(xs, R, w, out, scratch);
 }
 
-/* the layer's products: int4 (kind 0) or dense bf16 (kind 1), for a model of activations `dtype` */
-static void linear(int kind, int dtype, const float *xs, int64_t R, const Q4Weights *w, float *out) {
+/* the layer's products: int4 (kind 0) or dense bf16 (kind 1), for a model of activations `dtype`. TEAM. */
+static void linear(int kind, int dtype, const float *xs, int64_t R, const Q4Weights *w, float *out,
+                   const Scratch *scratch) {
     if (kind == 1)
-        bf16_matmul(xs, R, w, out);
+        bf16_matmul(xs, R, w, out, scratch);
     else
-        q4_product(dtype, xs, R, w, out);
+        q4_product(dtype, xs, R, w, out, scratch);
 }
 
 /* x [R, K] (dtype), codes [N / 16, G, 16, 16] (ops.pack_q4), scales and minima [N / 16, G, 16] fp32, bias [N] fp32
@@ -546,9 +570,13 @@ void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const u
     const Q4Weights w = {codes, scales, minima, bias, K, N};
     float *xs = (float *)malloc((size_t)(R * K + R * N) * sizeof(float));
     float *out = xs + R * K;
+    Scratch scratch;
+    void *block = scratch_alloc(R, K, &scratch);
     for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
-    q4_product(dtype, xs, R, &w, out);
+#pragma omp parallel if (R * N * K >= PARALLEL_WORK)
+    q4_product(dtype, xs, R, &w, out, &scratch);
     for (int64_t r = 0; r < R; r++) store_row(out + r * N, dtype, N, (char *)y + r * N * (dtype ? 2 : 4));
+    free(block);
     free(xs);
 }
 
@@ -557,7 +585,11 @@ void specserve_q4_linear(const void *x, int dtype, int64_t R, int64_t K, const u
 void specserve_q4_linear_bf16(const float *x, int64_t R, int64_t K, const uint8_t *codes, const float *scales,
                               const float *minima, const float *bias, int64_t N, float *y) {
     const Q4Weights w = {codes, scales, minima, bias, K, N};
-    q4_matmul_bf16(x, R, &w, y);
+    Scratch scratch;
+    void *block = scratch_alloc(R, K, &scratch);
+#pragma omp parallel if (R * N * K >= PARALLEL_WORK)
+    q4_matmul_bf16(x, R, &w, y, &scratch);
+    free(block);
 }
 
 /* x [R, K] (dtype) -> y [R, N] fp32 through bf16_matmul (W [N, K] bf16, bias fp32 or NULL). */
@@ -565,8 +597,12 @@ void specserve_bf16_linear(const void *x, int dtype, int64_t R, int64_t K, const
                            int64_t N, float *y) {
     const Q4Weights w = {(const uint8_t *)W, NULL, NULL, bias, K, N};
     float *xs = (float *)malloc((size_t)(R * K) * sizeof(float));
+    Scratch scratch;
+    void *block = scratch_alloc(R, K, &scratch);
     for (int64_t r = 0; r < R; r++) load_row((const char *)x + r * K * (dtype ? 2 : 4), dtype, K, xs + r * K);
-    bf16_matmul(xs, R, &w, y);
+#pragma omp parallel if (R * N * K >= PARALLEL_WORK)
+    bf16_matmul(xs, R, &w, y, &scratch);
+    free(block);
     free(xs);
 }
 
@@ -777,14 +813,13 @@ static int group_values(const float *scores, int64_t group, int64_t D, const cha
  * q [T, ...] (q_dtype), pools [slots, H_kv, D] (kv_dtype), slots [B, L] int64, mask [B, Qmax, L] bool,
  * token_index / output_index [n]: row t of q and out, and its (b, j) = divmod(output_index, Qmax) in the mask.
  * Query heads g * G .. g * G + G - 1 read K/V head g (G = H / H_kv <= 16); each K/V row is converted once for the
- * G heads that read it. */
+ * G heads that read it. TEAM. */
 static void attend(const void *q, int q_dtype, int64_t q_stride, int64_t H, int64_t H_kv, int64_t D,
                    const void *k_pool, const void *v_pool, int kv_dtype, const int64_t *slots, const uint8_t *mask,
                    int64_t Qmax, int64_t L, const int64_t *token_index, const int64_t *output_index, int64_t n,
                    float scale, void *out, int out_dtype, int64_t out_stride) {
     const int64_t group = H / H_kv, q_esize = q_dtype ? 2 : 4, out_esize = out_dtype ? 2 : 4;
     const int64_t kv_esize = kv_dtype ? 2 : 4;
-#pragma omp parallel if (n * H_kv >= 2 && n * H * L * D >= ATTENTION_PARALLEL_WORK)
     {
         float *buf = (float *)malloc((size_t)(MAX_GROUP * L + 2 * MAX_GROUP * D + D + L) * sizeof(float));
         float *scores = buf, *qv = scores + MAX_GROUP * L, *acc = qv + MAX_GROUP * D, *kv = acc + MAX_GROUP * D;
@@ -842,6 +877,7 @@ void specserve_attention(const void *q, int dtype, int64_t H, int64_t H_kv, int6
                          const void *v_pool, int kv_dtype, const int64_t *slots, const uint8_t *mask, int64_t Qmax,
                          int64_t L, const int64_t *token_index, const int64_t *output_index, int64_t n, float scale,
                          void *out) {
+#pragma omp parallel if (n * H_kv >= 2 && n * H * L * D >= ATTENTION_PARALLEL_WORK)
     attend(q, dtype, H * D, H, H_kv, D, k_pool, v_pool, kv_dtype, slots, mask, Qmax, L, token_index, output_index, n,
            scale, out, dtype, H * D);
 }
@@ -930,46 +966,63 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t D) {
 }
 
 /* x [T, H] (dtype) -> y [T, H] (dtype): pre-norm attention with rotary embeddings over the paged pool and a SwiGLU
- * MLP, fp32 inside; the layer's K/V rows are written to the pools first. */
+ * MLP, fp32 inside; the layer's K/V rows are written to the pools first. One parallel region (see TEAM): the
+ * row-wise steps split by rows, the products by output blocks, attention by (row, K/V head). */
 void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_pool, void *v_pool, const void *x,
                            void *y) {
     const int64_t T = f->tokens, H = w->hidden, D = w->head_dim, I = w->intermediate;
     const int64_t q_width = w->heads * D, kv_width = w->kv_heads * D, qkv_width = q_width + 2 * kv_width;
     const int esize = w->dtype ? 2 : 4, kv_esize = w->kv_dtype ? 2 : 4;
-    float *res = (float *)malloc((size_t)(T * (3 * H + qkv_width + q_width + 3 * I) + 2 * D) * sizeof(float));
+    float *res = (float *)malloc((size_t)(T * (3 * H + qkv_width + q_width + 3 * I)) * sizeof(float));
     float *h = res + T * H, *tmp = h + T * H, *qkv = tmp + T * H, *att = qkv + T * qkv_width;
-    float *gu = att + T * q_width, *act = gu + T * 2 * I, *trig = act + T * I;
-    for (int64_t t = 0; t < T; t++) {
-        load_row((const char *)x + t * H * esize, w->dtype, H, res + t * H);
-        rms_norm(res + t * H, w->input_norm, w->dtype, w->input_eps, H, h + t * H);
+    float *gu = att + T * q_width, *act = gu + T * 2 * I;
+    const int64_t widest = I > H ? (I > q_width ? I : q_width) : (H > q_width ? H : q_width);
+    Scratch scratch;
+    void *block = scratch_alloc(T, widest, &scratch);
+#pragma omp parallel if (T * H * (qkv_width + q_width + 3 * I) >= PARALLEL_WORK)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            load_row((const char *)x + t * H * esize, w->dtype, H, res + t * H);
+            rms_norm(res + t * H, w->input_norm, w->dtype, w->input_eps, H, h + t * H);
+        }
+        linear(w->kind, w->dtype, h, T, &w->qkv, qkv, &scratch);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *row = qkv + t * qkv_width, trig[2 * 256];
+            float *cos = D <= 256 ? trig : (float *)malloc((size_t)(2 * D) * sizeof(float)), *sin = cos + D;
+            load_row((const char *)f->cos + t * D * esize, w->dtype, D, cos);
+            load_row((const char *)f->sin + t * D * esize, w->dtype, D, sin);
+            for (int64_t hd = 0; hd < w->heads + w->kv_heads; hd++) rotate(row + hd * D, cos, sin, D);
+            const int64_t slot = f->write_slots[t];
+            store_row(row + q_width, w->kv_dtype, kv_width, (char *)k_pool + slot * kv_width * kv_esize);
+            store_row(row + q_width + kv_width, w->kv_dtype, kv_width, (char *)v_pool + slot * kv_width * kv_esize);
+            if (cos != trig) free(cos);
+        }
+        for (int64_t g = 0; g < f->groups; g++) {
+            const QueryGroupView *v = &f->group[g];
+            attend(qkv, 0, qkv_width, w->heads, w->kv_heads, D, k_pool, v_pool, w->kv_dtype, v->slots, v->mask,
+                   v->qmax, v->length, v->token_index, v->output_index, v->n, w->scale, att, 0, q_width);
+        }
+        linear(w->kind, w->dtype, att, T, &w->o, tmp, &scratch);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
+            rms_norm(res + t * H, w->post_norm, w->dtype, w->post_eps, H, h + t * H);
+        }
+        linear(w->kind, w->dtype, h, T, &w->gate_up, gu, &scratch);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) { /* silu(gate) * up: the down projection's input */
+            const float *row = gu + t * 2 * I;
+            silu_mul(row, row + I, I, act + t * I);
+        }
+        linear(w->kind, w->dtype, act, T, &w->down, tmp, &scratch);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
+            store_row(res + t * H, w->dtype, H, (char *)y + t * H * esize);
+        }
     }
-    linear(w->kind, w->dtype, h, T, &w->qkv, qkv);
-    for (int64_t t = 0; t < T; t++) {
-        float *row = qkv + t * qkv_width, *cos = trig, *sin = trig + D;
-        load_row((const char *)f->cos + t * D * esize, w->dtype, D, cos);
-        load_row((const char *)f->sin + t * D * esize, w->dtype, D, sin);
-        for (int64_t hd = 0; hd < w->heads + w->kv_heads; hd++) rotate(row + hd * D, cos, sin, D);
-        const int64_t slot = f->write_slots[t];
-        store_row(row + q_width, w->kv_dtype, kv_width, (char *)k_pool + slot * kv_width * kv_esize);
-        store_row(row + q_width + kv_width, w->kv_dtype, kv_width, (char *)v_pool + slot * kv_width * kv_esize);
-    }
-    for (int64_t g = 0; g < f->groups; g++) {
-        const QueryGroupView *v = &f->group[g];
-        attend(qkv, 0, qkv_width, w->heads, w->kv_heads, D, k_pool, v_pool, w->kv_dtype, v->slots, v->mask, v->qmax,
-               v->length, v->token_index, v->output_index, v->n, w->scale, att, 0, q_width);
-    }
-    linear(w->kind, w->dtype, att, T, &w->o, tmp);
-    for (int64_t i = 0; i < T * H; i++) res[i] += tmp[i];
-    for (int64_t t = 0; t < T; t++) rms_norm(res + t * H, w->post_norm, w->dtype, w->post_eps, H, h + t * H);
-    linear(w->kind, w->dtype, h, T, &w->gate_up, gu);
-    for (int64_t t = 0; t < T; t++) { /* silu(gate) * up: the down projection's input */
-        const float *row = gu + t * 2 * I;
-        silu_mul(row, row + I, I, act + t * I);
-    }
-    linear(w->kind, w->dtype, act, T, &w->down, tmp);
-    for (int64_t t = 0; t < T; t++) {
-        for (int64_t i = 0; i < H; i++) res[t * H + i] += tmp[t * H + i];
-        store_row(res + t * H, w->dtype, H, (char *)y + t * H * esize);
-    }
+    free(block);
     free(res);
 }
