@@ -179,9 +179,12 @@ class NativeLayer:
         md.native[pattern] = entry
         return entry
 
+    def fits_pool(self, k_store: torch.Tensor) -> bool:
+        return k_store.shape[2:] == (self.kv_heads, self.head_dim) and k_store.dtype in cpu_ops.DTYPE_CODES
+
     def run(self, md: AttentionMetadata, view, hidden_states: torch.Tensor) -> torch.Tensor | None:
         k_store, v_store = md.kv.key_store[self.layer_idx], md.kv.value_store[self.layer_idx]
-        if k_store.shape[2:] != (self.kv_heads, self.head_dim) or k_store.dtype not in cpu_ops.DTYPE_CODES:
+        if not self.fits_pool(k_store):
             return None
         if self.layer_idx in md.layers_seen:
             raise NotImplementedError(f"layer {self.layer_idx}: attention runs more than once per forward")
@@ -194,15 +197,69 @@ class NativeLayer:
         return y
 
 
+class NativeStack:
+    """Every decoder layer as NativeLayers in one kernel call (kernels.c: specserve_llama_stack): the interpreter's
+    lock is released and taken back once per forward instead of once per layer (a server's event loop thread
+    wants it in between), and no per-layer Python runs. Used by the first layer's forward when every layer could
+    run natively and nothing hooks any layer (hidden-state taps need each layer's output); the other layers then
+    pass its result through (STACK_DONE)."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers, self.natives = layers, [layer.specserve_native for layer in layers]
+        self._weights = (ctypes.c_void_p * len(layers))(*[n._weights_ptr for n in self.natives])
+        self._pools = (None, None, None)  # (the KV pool's stores, their K and V pointer arrays): built per pool
+
+    def usable(self) -> bool:
+        return (hasattr(self.natives[0].kernels, "specserve_llama_stack")  # (a bench may swap in an older library)
+                and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
+
+    def _pointers(self, md: AttentionMetadata):
+        stores = (md.kv.key_store, md.kv.value_store, md.kv.key_store[self.natives[0].layer_idx].data_ptr())
+        held = self._pools[0]
+        if held is None or held[0] is not stores[0] or held[1] is not stores[1] or held[2] != stores[2]:
+            ks = [md.kv.key_store[n.layer_idx] for n in self.natives]
+            vs = [md.kv.value_store[n.layer_idx] for n in self.natives]
+            if not all(n.fits_pool(k) for n, k in zip(self.natives, ks)):
+                return None
+            for n, k in zip(self.natives, ks):
+                n.weights.kv_dtype = cpu_ops.DTYPE_CODES[k.dtype]
+            self._pools = (stores, (ctypes.c_void_p * len(ks))(*[k.data_ptr() for k in ks]),
+                           (ctypes.c_void_p * len(vs))(*[v.data_ptr() for v in vs]))
+        return self._pools[1:]
+
+    def run(self, md: AttentionMetadata, view, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        pointers = self._pointers(md)
+        if pointers is None or any(n.layer_idx in md.layers_seen for n in self.natives):
+            return None
+        md.layers_seen.update(n.layer_idx for n in self.natives)
+        x = hidden_states.contiguous()
+        y = torch.empty_like(x)
+        self.natives[0].kernels.specserve_llama_stack(ctypes.addressof(self._weights), len(self.natives),
+                                                      ctypes.addressof(view[0]), ctypes.addressof(pointers[0]),
+                                                      ctypes.addressof(pointers[1]), x.data_ptr(), y.data_ptr())
+        md.native[STACK_DONE] = True
+        return y
+
+
+STACK_DONE = ("stack",)  # md.native's mark: this forward's layers all ran in the first layer's call
+
+
 def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
              position_embeddings=None, **kwargs) -> torch.Tensor:
     native, md = self.specserve_native, kwargs.get("specserve_metadata")
     if md is None:  # not an engine forward (training, a reference pass with another attention): HF's own layer
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    if md.native.get(STACK_DONE):
+        return hidden_states  # the first layer's call ran this one too: its input is the decoder's output
     if native.usable(hidden_states, md, attention_mask):
         view = native.forward_view(md, getattr(self.self_attn, PATTERN_ATTR, None), *position_embeddings)
-        out = native.run(md, view, hidden_states) if view is not None else None
+        stack = self.specserve_stack
+        out = None
+        if view is not None and stack is not None and stack.layers[0] is self and stack.usable():
+            out = stack.run(md, view, hidden_states)
+        if out is None and view is not None:
+            out = native.run(md, view, hidden_states)
         if out is not None:
             return out
     attn, fused = self.self_attn, self.specserve_fused
@@ -242,5 +299,11 @@ def speed_up_layers(model: nn.Module, kernels=None) -> int:
         layer.specserve_fused = fused | {"rotary": sys.modules[type(layer).__module__].apply_rotary_pos_emb}
         layer.specserve_native = NativeLayer(layer, layer.specserve_fused, kind)
         layer.forward = types.MethodType(_forward, layer)
+        layer.specserve_stack = None
         done += 1
+    patterns = {getattr(layer.self_attn, PATTERN_ATTR, None) for layer in layers}
+    if done == len(layers) and len(patterns) == 1:  # one view serves every layer
+        stack = NativeStack(list(layers))
+        for layer in layers:
+            layer.specserve_stack = stack
     return done

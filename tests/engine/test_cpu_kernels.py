@@ -7,7 +7,7 @@ import torch
 
 from specserve.engine.model.attention import SeqChunk
 from specserve.engine.model.cpu_kernels import build
-from specserve.engine.model.fast_layers import FusedDense, FusedInt4, NativeLayer
+from specserve.engine.model.fast_layers import FusedDense, FusedInt4, NativeLayer, NativeStack
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.model.quantize import Int4Linear
 from specserve.engine.sampling_params import SamplingParams
@@ -46,12 +46,18 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
     def both_calls():
         return torch.cat([runner.forward(ids[:first], chunks[:1], rows[:first]),
                           runner.forward(ids[first:], chunks[1:], rows[:3])])
-    calls = []
-    run_native = NativeLayer.run
+    calls, stacks = [], []
+    run_native, run_stack = NativeLayer.run, NativeStack.run
+    layers = len(decoder_layers(runner.model))
     with monkeypatch.context() as patch:
         patch.setattr(NativeLayer, "run", lambda self, *a: calls.append(1) or run_native(self, *a))
+        patch.setattr(NativeStack, "run", lambda self, *a: stacks.append(1) or run_stack(self, *a))
         fused = both_calls()
-        assert len(calls) == 2 * len(decoder_layers(runner.model))  # every layer of both forwards ran as one call
+        assert stacks == [1, 1] and not calls  # each forward's layers ran in one call, the whole decoder
+        patch.setattr(NativeStack, "usable", lambda self: False)
+        per_layer = both_calls()
+        assert len(calls) == 2 * layers  # every layer of both forwards ran as one call
+        assert torch.equal(per_layer, fused)  # the same kernel, layer after layer
         patch.setattr(NativeLayer, "usable", lambda self, *a: False)
         lean = both_calls()
     for layer in decoder_layers(runner.model):  # back to HF's forward (the class's)
@@ -148,3 +154,22 @@ def test_qwen2_and_mistral_layers_run_fused_and_stay_exact(tmp_path, family):
     assert [o.output_token_ids for o in outs] == expected
     drafted = sum(o.speculation.num_draft_tokens for o in outs)
     assert drafted > 0 and sum(o.speculation.num_accepted_tokens for o in outs) == drafted  # its own draft: all kept
+
+
+def test_a_hooked_layer_keeps_the_decoder_layer_by_layer(tiny, monkeypatch):
+    """Hidden-state taps (EAGLE-3, Medusa, DFlash) hook decoder layers: those forwards run one call per layer, so
+    every hook sees its own layer's output."""
+    core = make_core(tiny["llama"], quantization="int4")
+    layers = decoder_layers(core.target.model)
+    seen, stacks = [], []
+    run_stack = NativeStack.run
+    monkeypatch.setattr(NativeStack, "run", lambda self, *a: stacks.append(1) or run_stack(self, *a))
+    plain = [o.output_token_ids for o in run(core, PROMPTS[:2], GREEDY)]
+    assert stacks  # decode forwards ran the whole decoder in one call
+    stacks.clear()
+    handle = layers[0].register_forward_hook(lambda module, args, out: seen.append(out.clone()))
+    try:
+        hooked = [o.output_token_ids for o in run(core, PROMPTS[:2], GREEDY)]
+    finally:
+        handle.remove()
+    assert not stacks and seen and hooked == plain

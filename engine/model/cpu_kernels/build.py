@@ -46,6 +46,7 @@ SIGNATURES = {
     "specserve_q4_linear_bf16": [PTR, I64, I64, PTR, PTR, PTR, PTR, I64, PTR],
     "specserve_q8_linear": [PTR, INT, I64, I64, PTR, PTR, I64, PTR],
     "specserve_llama_layer": [PTR, PTR, PTR, PTR, PTR, PTR],
+    "specserve_llama_stack": [PTR, I64, PTR, PTR, PTR, PTR, PTR],
     "specserve_bf16_linear": [PTR, INT, I64, I64, PTR, PTR, I64, PTR],
     "specserve_attention": [PTR, INT, I64, I64, I64, PTR, PTR, INT, PTR, PTR, I64, I64, PTR, PTR, I64, F32, PTR],
 }

@@ -1026,3 +1026,18 @@ void specserve_llama_layer(const LayerWeights *w, const ForwardView *f, void *k_
     free(block);
     free(res);
 }
+
+/* x [T, H] (dtype) -> y [T, H] (dtype) through n layers in turn (one call for the whole decoder, so the caller
+ * releases and takes back the interpreter's lock once per forward, not once per layer): layers[i] with the K/V pools
+ * k_pools[i], v_pools[i], all reading the same view. */
+void specserve_llama_stack(const LayerWeights *const *layers, int64_t n, const ForwardView *f, void *const *k_pools,
+                           void *const *v_pools, const void *x, void *y) {
+    const int64_t bytes = f->tokens * layers[0]->hidden * (layers[0]->dtype ? 2 : 4);
+    char *between = (char *)malloc((size_t)(2 * bytes));
+    for (int64_t i = 0; i < n; i++) {
+        const void *in = i == 0 ? x : between + ((i - 1) % 2) * bytes;
+        void *out = i == n - 1 ? y : between + (i % 2) * bytes;
+        specserve_llama_layer(layers[i], f, k_pools[i], v_pools[i], in, out);
+    }
+    free(between);
+}
