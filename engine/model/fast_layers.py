@@ -4,7 +4,8 @@ CPU: the demo's default), installed on the layer instances at load.
 At one stream a 135M target's step was mostly per-operation overhead: HF's layer runs ~100 small torch ops per
 layer (the norm alone is eight). Two forwards replace it:
 - NativeLayer: the whole layer as one kernel call (kernels.c: specserve_llama_layer), fp32 inside, for forwards whose
-  query groups are all short (decode, verification) and while nothing hooks o_proj / down_proj;
+  query groups are all short (decode, verification) and while nothing hooks o_proj / down_proj; and when no decoder
+  layer is hooked either, NativeStack: every layer in one call (specserve_llama_stack);
 - otherwise (a prefill chunk in the forward, tensor parallelism's all-reduce hooks) an op-by-op lean forward: q/k/v
   fused into one int4 product and gate/up into another (packed weights concatenated by output blocks; the separate
   modules keep views of them, no second copy), the RMS norm as one fused op, HF's own rotary function and the
