@@ -48,15 +48,17 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], offsets
 
     Chains go through the chain rejection sampler (residual rule; q one-hot for lookups: k uniforms and one
     vocabulary-sized draw per row); trees through the tree rule (one vocabulary-sized draw per depth)."""
-    device, vocab = logits.device, logits.shape[-1]
+    device = logits.device
     draft_ids = drafts.token_ids
     batch, k_max = len(requests), draft_ids.shape[1]
+    greedy = all(r.params.greedy and not r.params.has_penalties for r in requests)
+    if greedy and not any(ks):
+        return _plain_greedy(logits if offsets == list(range(batch)) else logits[offsets], requests)
     num_draft = torch.tensor(ks, device=device)
     offsets = torch.tensor(offsets, device=device)  # [B] first row of each request
     j = torch.arange(k_max + 1, device=device)[None, :]
     pad_index = offsets[:, None] + torch.minimum(j, num_draft[:, None])  # [B, K+1]; padding repeats the last row
-    if not drafts.tree_rows and not drafts.prob_rows and all(
-            r.params.greedy and not r.params.has_penalties for r in requests):
+    if greedy and not drafts.tree_rows and not drafts.prob_rows:
         # greedy chains (and plain steps), the common case: argmax ids alone decide (greedy_accept), so none of the
         # general rule's tensors (ancestors, sampling parameters, noise) are built: ~1.5 ms of a 4-row CPU step
         out = greedy_accept(argmax_rows(logits)[pad_index], draft_ids, num_draft)
@@ -77,6 +79,17 @@ def verify(logits: torch.Tensor, requests: list[Request], ks: list[int], offsets
     return VerifyResult([row[: m + 1] for row, m in zip(host, counts_m)], counts_m,
                         [row[w: w + m + 1] for row, m in zip(host, counts_m)], [row[2 * w + 1] > 0 for row in host],
                         _logprob_lists(lp, requests, counts_m))
+
+
+def _plain_greedy(logits: torch.Tensor, requests: list[Request]) -> VerifyResult:
+    """A step without drafts, every row greedy: logits [B, V], row b request b's, whose argmax is its token (what the rule
+    gives, with a third of its tensor operations: ~0.4 ms of a 10 ms one-stream CPU step)."""
+    batch = len(requests)
+    ids = argmax_rows(logits)  # [B]
+    lp = _logprob_tensors(logits, requests, torch.arange(batch, device=logits.device)[:, None], ids[:, None])
+    host = torch.stack([ids, (~torch.isfinite(logits.sum(dim=-1))).long()], dim=1).tolist()  # the one host sync
+    return VerifyResult([[t] for t, _ in host], [0] * batch, [[0] for _ in host], [bad > 0 for _, bad in host],
+                        _logprob_lists(lp, requests, [0] * batch))
 
 
 def _general(logits: torch.Tensor, requests: list[Request], ks: list[int], drafts: DraftBatch,

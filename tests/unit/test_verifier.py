@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from specserve.engine.sample.verifier import DraftBatch, _general, verify
@@ -23,13 +24,15 @@ def _case(seed: int, ks: list[int], vocab: int = 50):
     return logits, drafts
 
 
-def test_greedy_chains_match_the_general_rule():
-    ks = [0, 3, 1, 4, 2, 4]
+@pytest.mark.parametrize("ks", [[0, 3, 1, 4, 2, 4], [0, 0, 0]])  # chains, and a step with no drafts at all
+def test_greedy_chains_match_the_general_rule(ks):
     offsets = [sum(k + 1 for k in ks[:b]) for b in range(len(ks))]
     requests = [SimpleNamespace(params=SamplingParams(temperature=0.0, logprobs=2 if b == 1 else None),
                                 generator=None, output_token_ids=[1, 2]) for b in range(len(ks))]
     for seed in range(20):
         logits, drafts = _case(seed, ks)
+        if seed % 2:
+            logits[len(ks) - 1, 3] = float("nan")  # a poisoned row is reported, whatever else happens
         batch = DraftBatch(token_ids=drafts)
         result = verify(logits, requests, ks, offsets, batch, torch.Generator())
         device = logits.device
@@ -41,6 +44,10 @@ def test_greedy_chains_match_the_general_rule():
         assert result.tokens == [t[: m + 1] for t, m in zip(tokens.tolist(), emitted.tolist())]
         assert result.paths == [p[: m + 1] for p, m in zip(path.tolist(), emitted.tolist())]
         assert result.logprobs[1] is not None and len(result.logprobs[1][0]) == emitted[1] + 1
+        assert result.logprobs[0] is None
+        poisoned = [(seed % 2 == 1 and sum(k + 1 for k in ks[:b]) <= len(ks) - 1 <= sum(k + 1 for k in ks[:b + 1]) - 1)
+                    for b in range(len(ks))]
+        assert result.non_finite == poisoned
         assert device.type == "cpu"
 
 
