@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         report["peers"] = [merge_rounds(r) for r in runs.values() if r]
         report["ratios"] = round_ratios(runs, REFERENCE)
         report["interleaved"] = True
-    for _ in range(0 if args.interleave else args.rounds):  # round-robin: each round runs every peer once, so drift hits all of them
+    # round-robin: each round runs every peer once, so drift hits all of them (--interleave ran its rounds above)
+    for _ in range(0 if args.interleave else args.rounds):
         for name in runs:
             try:
                 runs[name].append(run_peer(name, cmds[name], url, args, str(hf_dir)))
