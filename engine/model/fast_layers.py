@@ -211,8 +211,11 @@ class NativeStack:
         self._pools = (None, None, None)  # (the KV pool's stores, their K and V pointer arrays): built per pool
 
     def usable(self) -> bool:
+        """The first layer's NativeLayer.usable held; nothing hooks any layer, nor any layer's o_proj / down_proj
+        (NativeLayer.usable checks those of its own layer only)."""
+        modules = [*self.layers, *(m for n in self.natives for m in n.hooked)]
         return (hasattr(self.natives[0].kernels, "specserve_llama_stack")  # (a bench may swap in an older library)
-                and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in modules))
 
     def _pointers(self, md: AttentionMetadata):
         stores = (md.kv.key_store, md.kv.value_store, md.kv.key_store[self.natives[0].layer_idx].data_ptr())

@@ -173,3 +173,10 @@ def test_a_hooked_layer_keeps_the_decoder_layer_by_layer(tiny, monkeypatch):
     finally:
         handle.remove()
     assert not stacks and seen and hooked == plain
+    handle = layers[1].self_attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(out.clone()))
+    try:  # a later layer's o_proj (tensor parallelism's all-reduce): that layer leaves the kernel, so the stack too
+        seen.clear()
+        assert [o.output_token_ids for o in run(core, PROMPTS[:2], GREEDY)] == plain
+    finally:
+        handle.remove()
+    assert not stacks and seen
