@@ -7,6 +7,7 @@ import torch
 from specserve.engine.model.attention import SeqChunk, build_metadata
 from specserve.engine.model.cpu_kernels.build import for_device
 from specserve.engine.model.hidden import LayerTaps
+from specserve.engine.model.native_forward import NativeForward
 from specserve.engine.model.vocab_map import VocabMap
 from specserve.engine.sched.kv_cache import KVPool
 
@@ -22,6 +23,7 @@ class ModelRunner:
         self.taps = LayerTaps(model, hidden_layers) if hidden_layers else None
         self.stable_shapes = False  # a compiled model: metadata padded so that Dynamo meets one shape class
         self.kernels = for_device(device)  # short-query attention on the CPU kernels (not under torch.compile)
+        self.native = NativeForward.of(model)  # decode and verify forwards without transformers' model code
 
     def forward(self, input_ids: torch.Tensor, chunks: list[SeqChunk], logits_index: torch.Tensor) -> torch.Tensor:
         """input_ids [T] (chunks' tokens concatenated), logits_index [N] token rows wanted -> logits [N, V] fp32."""
@@ -39,6 +41,10 @@ class ModelRunner:
         if self.vocab_map is not None:
             input_ids = self.vocab_map.to_draft_ids(input_ids)
         capture = capture and self.taps is not None
+        if self.native is not None and not capture and not self.stable_shapes:
+            logits = self.native.forward(input_ids, positions, md, logits_index.to(self.device))
+            if logits is not None:
+                return self._logits(logits.float()), {}
         if capture:
             self.taps.begin(None if hidden_rows is None else hidden_rows.to(self.device))
         try:

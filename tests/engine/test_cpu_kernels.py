@@ -9,6 +9,7 @@ from specserve.engine.model.attention import SeqChunk
 from specserve.engine.model.cpu_kernels import build
 from specserve.engine.model.fast_layers import FusedDense, FusedInt4, NativeLayer, NativeStack
 from specserve.engine.model.hidden import decoder_layers
+from specserve.engine.model.native_forward import NativeForward
 from specserve.engine.model.quantize import Int4Linear
 from specserve.engine.sampling_params import SamplingParams
 from tests.engine.helpers import make_core, run
@@ -46,14 +47,24 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
     def both_calls():
         return torch.cat([runner.forward(ids[:first], chunks[:1], rows[:first]),
                           runner.forward(ids[first:], chunks[1:], rows[:3])])
-    calls, stacks = [], []
-    run_native, run_stack = NativeLayer.run, NativeStack.run
+    calls, stacks, direct = [], [], []
+    run_native, run_stack, run_direct = NativeLayer.run, NativeStack.run, NativeForward.forward
     layers = len(decoder_layers(runner.model))
+
+    def counted(self, *args):
+        out = run_direct(self, *args)
+        direct.append(out is not None)
+        return out
     with monkeypatch.context() as patch:
         patch.setattr(NativeLayer, "run", lambda self, *a: calls.append(1) or run_native(self, *a))
         patch.setattr(NativeStack, "run", lambda self, *a: stacks.append(1) or run_stack(self, *a))
+        patch.setattr(NativeForward, "forward", counted)
         fused = both_calls()
         assert stacks == [1, 1] and not calls  # each forward's layers ran in one call, the whole decoder
+        assert direct == [True, True]  # ... without transformers' model code around it
+        patch.setattr(runner, "native", None)
+        assert torch.equal(both_calls(), fused)  # transformers' forward around the same call: the same logits
+        assert stacks == [1, 1, 1, 1] and direct == [True, True]
         patch.setattr(NativeStack, "usable", lambda self: False)
         per_layer = both_calls()
         assert len(calls) == 2 * layers  # every layer of both forwards ran as one call
@@ -62,7 +73,10 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
         lean = both_calls()
     for layer in decoder_layers(runner.model):  # back to HF's forward (the class's)
         del layer.forward
-    hf = both_calls()
+    with monkeypatch.context() as patch:
+        patch.setattr(NativeForward, "forward", counted)
+        hf = both_calls()
+    assert direct == [True, True, False, False]  # layers without the engine's forward: no direct path either
     assert not torch.equal(hf, torch.zeros_like(hf))
     return fused, lean, hf
 
@@ -173,6 +187,18 @@ def test_a_hooked_layer_keeps_the_decoder_layer_by_layer(tiny, monkeypatch):
     finally:
         handle.remove()
     assert not stacks and seen and hooked == plain
+    base, forwards, run_forward = core.target.model.model, [], core.target.run
+    monkeypatch.setattr(core.target, "run", lambda *a, **kw: forwards.append(1) or run_forward(*a, **kw))
+    for module in (core.target.model, base):  # a hook on the model: transformers' forward runs, the decoder still in
+        seen.clear()                          # one call, and the hook sees every forward
+        forwards.clear()
+        handle = module.register_forward_hook(lambda module, args, out: seen.append(1))
+        try:
+            assert [o.output_token_ids for o in run(core, PROMPTS[:2], GREEDY)] == plain
+        finally:
+            handle.remove()
+        assert stacks and len(seen) == len(forwards)
+        stacks.clear()
     handle = layers[1].self_attn.o_proj.register_forward_hook(lambda module, args, out: seen.append(out.clone()))
     try:  # a later layer's o_proj (tensor parallelism's all-reduce): that layer leaves the kernel, so the stack too
         seen.clear()
