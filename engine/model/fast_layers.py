@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, AttentionMetadata, paged_attention
+from specserve.engine.model.attention import PATTERN_ATTR, AttentionMetadata, paged_attention
 from specserve.engine.model.cpu_kernels import ops as cpu_ops
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.model.quantize import Int4Linear
@@ -35,6 +35,10 @@ from specserve.engine.model.quantize import Int4Linear
 # layer classes with exactly the Llama layer's structure: pre-norm attention and SwiGLU MLP, RMS norms, rotary
 # embeddings applied by their module's apply_rotary_pos_emb, no q/k norms
 LLAMA_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
+# query groups up to this wide run whole layers in one kernel call, prefill chunks included: against the op-by-op
+# forward (SDPA), an int4 SmolLM2 prefill step measured 2.1-2.4x faster at 20-40 tokens, 1.7x at 80, ~1.0-1.15x at
+# 160-320 (bf16; fp32 0.97-1.13x) and 0.89x at 384 (python -m bench.prefill_width; docs/benchmarks.md)
+NATIVE_QUERY = 256
 SILU = frozenset({"SiLU", "SiLUActivation"})  # torch's and transformers' (ACT2FN["silu"]) SiLU modules
 
 
@@ -130,7 +134,7 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 class NativeLayer:
     """The whole layer as one kernel call (kernels.c: specserve_llama_layer: norm, fused q/k/v, rotary, K/V write,
     attention, o, residual, norm, fused gate/up, SiLU, down, residual; fp32 inside), used for forwards whose query
-    groups are all short (decode, verification) and while nothing hooks o_proj or down_proj (tensor parallelism's
+    groups are all at most NATIVE_QUERY wide (decode, verification, prefill chunks up to it) and while nothing hooks o_proj or down_proj (tensor parallelism's
     all-reduce does); otherwise the layer runs the op-by-op lean forward."""
 
     def __init__(self, layer: nn.Module, fused: dict, kind: int):
@@ -165,11 +169,12 @@ class NativeLayer:
 
     def forward_view(self, md: AttentionMetadata, pattern, cos: torch.Tensor, sin: torch.Tensor):
         """This forward's C view for `pattern` (built by the first layer that asks, shared by the rest), or None
-        when a query group is long (a prefill chunk: SDPA's job) or the rotary tables are not in the model dtype."""
+        when a query group is wider than NATIVE_QUERY (a long prefill chunk: SDPA's job) or the rotary tables are not
+        in the model dtype."""
         if pattern in md.native:
             return md.native[pattern]
         entry = None
-        if all(g.query_index.shape[1] <= SHORT_QUERY for g in md.groups) and cos.dtype == self.dtype:
+        if all(g.query_index.shape[1] <= NATIVE_QUERY for g in md.groups) and cos.dtype == self.dtype:
             groups = []
             for g in md.groups:
                 view = g.key_view(pattern)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, AttentionMetadata
-from specserve.engine.model.fast_layers import NativeStack, _forward
+from specserve.engine.model.attention import PATTERN_ATTR, AttentionMetadata
+from specserve.engine.model.fast_layers import NATIVE_QUERY, NativeStack, _forward
 from specserve.engine.model.hidden import decoder_layers
 
 # causal LM -> its base model, whose forward is embed -> rotary -> layers -> norm (-> the head on kept rows); other
@@ -54,8 +54,8 @@ class NativeForward:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                 logits_index: torch.Tensor) -> torch.Tensor | None:
         """input_ids, positions [T], logits_index [N] -> logits [N, V] as transformers' forward returns them."""
-        if md.kernels is None or not all(g.query_index.shape[1] <= SHORT_QUERY for g in md.groups):
-            return None  # a prefill chunk's long query group: the layers' own forwards (SDPA)
+        if md.kernels is None or not all(g.query_index.shape[1] <= NATIVE_QUERY for g in md.groups):
+            return None  # a long prefill chunk: the layers' op-by-op forwards (SDPA)
         modules = self._modules()
         if modules is None:
             return None

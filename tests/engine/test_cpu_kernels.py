@@ -5,7 +5,7 @@ layer runs on them."""
 import pytest
 import torch
 
-from specserve.engine.model.attention import SeqChunk
+from specserve.engine.model.attention import SHORT_QUERY, SeqChunk
 from specserve.engine.model.cpu_kernels import build
 from specserve.engine.model.fast_layers import FusedDense, FusedInt4, NativeLayer, NativeStack
 from specserve.engine.model.hidden import decoder_layers
@@ -39,7 +39,7 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
     """Logits of a prefill chunk of `first` then 3 decode/verify rows on its K/V, computed with the whole layer in one
     kernel call, with the op-by-op lean forward, and with HF's own forward (same modules and kernels)."""
     runner = core.target
-    ids = torch.tensor([5, 9, 2, 7, 7, 3, 1, 4, 8, 6, 2, 5])[:first + 3]
+    ids = torch.randint(1, 50, (first + 3,), generator=torch.Generator().manual_seed(first))
     table = core.allocator.allocate(core.allocator.blocks_for(len(ids)))
     chunks = [SeqChunk(block_table=table, start=0, num_new=first), SeqChunk(block_table=table, start=first, num_new=3)]
     rows = torch.arange(len(ids))
@@ -81,8 +81,9 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
     return fused, lean, hf
 
 
-def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch):
-    fused, lean, hf = three_forwards(make_core(tiny["llama"], quantization="int4"), monkeypatch)
+@pytest.mark.parametrize("first", [5, SHORT_QUERY + 20])  # a prefill chunk in the short group, one past it
+def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch, first):
+    fused, lean, hf = three_forwards(make_core(tiny["llama"], quantization="int4"), monkeypatch, first)
     assert torch.allclose(lean, hf, atol=1e-5, rtol=1e-5)
     assert torch.allclose(fused, hf, atol=1e-4, rtol=1e-4)
 
