@@ -35,13 +35,18 @@ class ModelRunner:
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """forward(), plus with `capture` the tapped layers' hidden states {layer: [R, H]} at token rows
         `hidden_rows` [R] (None: every token)."""
-        md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes,
-                                       kernels=None if self.stable_shapes else self.kernels)
         input_ids = input_ids.to(self.device)
         if self.vocab_map is not None:
             input_ids = self.vocab_map.to_draft_ids(input_ids)
         capture = capture and self.taps is not None
-        if self.native is not None and not capture and not self.stable_shapes:
+        native = self.native is not None and not capture and not self.stable_shapes
+        if native:  # causal chunks: no query groups built at all
+            logits = self.native.forward_causal(input_ids, self.kv, chunks, logits_index, self.kernels)
+            if logits is not None:
+                return self._logits(logits.float()), {}
+        md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes,
+                                       kernels=None if self.stable_shapes else self.kernels)
+        if native and any(c.parents is not None for c in chunks):  # token trees: through the query groups' masks
             logits = self.native.forward(input_ids, positions, md, logits_index.to(self.device))
             if logits is not None:
                 return self._logits(logits.float()), {}
