@@ -134,8 +134,8 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 class NativeLayer:
     """The whole layer as one kernel call (kernels.c: specserve_llama_layer: norm, fused q/k/v, rotary, K/V write,
     attention, o, residual, norm, fused gate/up, SiLU, down, residual; fp32 inside), used for forwards whose query
-    groups are all at most NATIVE_QUERY wide (decode, verification, prefill chunks up to it) and while nothing hooks o_proj or down_proj (tensor parallelism's
-    all-reduce does); otherwise the layer runs the op-by-op lean forward."""
+    groups are all at most NATIVE_QUERY wide (decode, verification, prefill chunks up to it) and while nothing hooks
+    o_proj or down_proj (tensor parallelism's all-reduce does); otherwise the layer runs the op-by-op lean forward."""
 
     def __init__(self, layer: nn.Module, fused: dict, kind: int):
         attn, mlp = layer.self_attn, layer.mlp

@@ -2,7 +2,9 @@
 (fast_layers.NativeStack) runs: embedding, rotary tables, the decoder in one kernel call, final norm, the head on the
 rows wanted. The same modules in the same order as LlamaForCausalLM.forward, so the same logits bit for bit; what it
 leaves out is the per-call glue (decorators, output records, mask creation, 30 layers' pass-through calls): ~1.4 ms
-of a 12.6 ms 4-stream int4 step on a 2-core Xeon before it (docs/benchmarks.md, issue 34)."""
+of a 12.6 ms 4-stream int4 step on a 2-core Xeon before it. Forwards without token trees also skip build_metadata:
+their attention view comes straight from the chunks (causal_groups). Measured: python -m bench.native_forward
+(docs/benchmarks.md, issue 34)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from itertools import accumulate
 import torch
 
 from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, AttentionMetadata, SeqChunk
-from specserve.engine.model.cpu_kernels import ops as cpu_ops
 from specserve.engine.model.fast_layers import NATIVE_QUERY, NativeStack, _forward
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.sched.kv_cache import KVPool
