@@ -6,50 +6,31 @@ proposes at most that many (possibly none; a chain or a tree); ONE target forwar
 (prefill chunks and 1 + proposed verify positions alike); `verify()` applies the chain rejection rule or the tree
 rule; then tokens are appended, rejected positions rolled back (O(1): computed lengths only; an accepted tree path's
 K/V moved into place), the proposers told what was accepted (and given target hidden states where they asked), and
-finished requests' blocks freed.
+finished requests' blocks freed. The parts it steps are built once by engine/assembly.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
-from pathlib import Path
 
 import torch
 
 from specserve.config.schema import EngineConfig
-from specserve.engine.admission import RequestBuilder
+from specserve.engine.assembly import EngineParts, assemble
 from specserve.engine.errors import InvalidRequestError
-from specserve.engine.model.attention import PATTERN_ATTR, SHORT_QUERY, SeqChunk
-from specserve.engine.model.compile import compilations, compile_model
-from specserve.engine.model.loader import (
-    check_model_path,
-    default_kv_cache_memory,
-    demo_model_paths,
-    load_model,
-    load_tokenizer,
-    resolve_chat_template,
-    resolve_device,
-    resolve_dtype,
-    resolve_quantization,
-)
-from specserve.engine.model.runner import ModelRunner
-from specserve.engine.parallel.target import ShardedTarget
+from specserve.engine.model.attention import SHORT_QUERY, SeqChunk
+from specserve.engine.model.compile import compilations
 from specserve.engine.request import Request, RequestOutput, TokenLogprob
-from specserve.engine.sample.grammar import advance_grammar, apply_bitmask, biased, grammar_compiler, verify_bitmasks
+from specserve.engine.sample.grammar import advance_grammar, apply_bitmask, biased, verify_bitmasks
 from specserve.engine.sample.verifier import verify
 from specserve.engine.sampling_params import SamplingParams
-from specserve.engine.sched.block_allocator import BlockAllocator
-from specserve.engine.sched.kv_cache import KVPool, kv_bytes_per_token
-from specserve.engine.sched.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.spec_decode.base import ProposerContext
-from specserve.engine.spec_decode.controller import AdaptiveController, CostSource
+from specserve.engine.sched.scheduler import ScheduledSeq
+from specserve.engine.spec_decode.controller import CostSource
 from specserve.engine.spec_decode.layout import RowLayout
-from specserve.engine.spec_decode.prediction import PredictionProposer, prediction_usage
-from specserve.engine.spec_decode.registry import NONE, load_proposers
-from specserve.engine.spec_decode.router import ProposalRouter, RowProposal, draft_batch
+from specserve.engine.spec_decode.prediction import prediction_usage
+from specserve.engine.spec_decode.router import RowProposal, draft_batch
 from specserve.engine.spec_decode.step_results import count_speculation, path_moves
 from specserve.engine.stats import EngineTotals, StepStats
 
@@ -59,92 +40,19 @@ log = logging.getLogger("specserve.engine")
 class EngineCore:
     def __init__(self, config: EngineConfig, cost_source: CostSource | None = None):
         """`cost_source`: where adaptive k's costs come from (None: the engine's own timings; tests inject a model)."""
-        self.sharded: ShardedTarget | None = None  # tensor_parallel_size > 1: the workers holding the other slices
-        try:
-            self._build(config, cost_source)
-        except BaseException:
-            if self.sharded is not None:
-                self.sharded.abort()
-            raise
-
-    def _build(self, config: EngineConfig, cost_source: CostSource | None) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        target_path, demo_draft = self._model_paths(config)
-        check_model_path(target_path, "model")
-        self.model_path = str(target_path)
-        remote = config.trust_remote_code
-        self.tokenizer = load_tokenizer(target_path, remote)
-        if config.chat_template:
-            self.tokenizer.chat_template = resolve_chat_template(config.chat_template)
-        self.quantization = resolve_quantization(config.quantization, target_path, self.device, self.dtype)
-        if config.quantization == "auto" and self.quantization is not None:
-            log.info("quantization auto: %s keeps its 4-bit weights (%s)", target_path, self.quantization)
-        if config.tensor_parallel_size > 1:  # the workers start loading their slices now, beside rank 0
-            self.sharded = ShardedTarget(config, target_path, self.dtype, self.device, self.quantization)
-        target = load_model(target_path, self.dtype, self.device, remote, quantization=self.quantization,
-                            dense_from_rows=config.quantization_dense_rows,
-                            shard=self.sharded.shard if self.sharded else None,
-                            cpu_kernels=not config.enable_torch_compile)
-        if self.sharded:
-            self.sharded.attach(target)
-        kv_heads = self.sharded.kv_heads(target.config) if self.sharded else None  # per rank; None: all
-        self.vocab_size = target.config.vocab_size
-        tree_attention = all(getattr(m, PATTERN_ATTR, None) is None for m in target.modules())
-        ctx = ProposerContext(str(target_path), target.config, self.tokenizer, self.vocab_size, self.device,
-                              self.dtype, remote, tree_attention, target.get_output_embeddings().weight,
-                              target.get_input_embeddings(), self.quantization)
-        proposers, adaptive = load_proposers(config, ctx, demo_draft)  # name -> proposer; default first
-        self.default_method = next(iter(proposers), NONE)
-        self.num_speculative_tokens = max([p.num_speculative_tokens for p in proposers.values()], default=0)
-        self.controller = AdaptiveController(self.num_speculative_tokens,
-                                             frozenset(n for n, p in proposers.items() if p.needs.tree),
-                                             frozenset(n for n, p in proposers.items() if p.needs.cost_per_step),
-                                             config.max_num_batched_tokens, cost_source)
-        self.router = ProposalRouter(proposers, PredictionProposer(self.device), tree_attention,
-                                     self.controller.observe_proposal)
-        limits = [config.max_model_len, target.config.max_position_embeddings,
-                  *(p.max_model_len for p in proposers.values())]
-        self.max_model_len = min(x for x in limits if x)
-        per_token = kv_bytes_per_token(target.config, self.dtype, max(kv_heads) if kv_heads else None)
-        per_token += sum(p.kv_bytes_per_token() for p in proposers.values())
-        budget = config.kv_cache_memory or default_kv_cache_memory(self.device)
-        num_blocks = budget // (per_token * config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold no block of {config.block_size} tokens")
-        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
-        hidden_layers = tuple(sorted({i for p in proposers.values() for i in p.needs.hidden_layers}))
-        self.target = ModelRunner(target, KVPool.allocate(target.config, num_blocks, config.block_size, self.dtype,
-                                                          self.device, kv_heads and kv_heads[0]), self.device,
-                                  self.vocab_size,
-                                  hidden_layers=hidden_layers)
-        if self.sharded:
-            self.target = self.sharded.runner(self.target)
-        for p in proposers.values():
-            p.bind_kv(num_blocks, config.block_size)
-        self.compiled = config.enable_torch_compile and compile_model(target, self.device)
-        self.target.stable_shapes = self.compiled
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len,
-                                   {n: p.needs.prefix_kv for n, p in self.router.kv_proposers.items()})
-        seed = config.seed if config.seed is not None else random.randrange(1 << 62)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.eos_token_ids = self._eos_ids(target)
-        self.grammars = grammar_compiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.builder = RequestBuilder(self.tokenizer, self.vocab_size, self.max_model_len, self.default_method,
-                                      {n: p.num_speculative_tokens for n, p in proposers.items()}, adaptive,
-                                      self.allocator.num_blocks, self.allocator.block_size,
-                                      frozenset(self.eos_token_ids), self.device,
-                                      f"{Path(self.model_path).resolve()}|{self.dtype}|{self.quantization}|"
-                                      f"{config.quantization_dense_rows}|"
-                                      f"{config.trust_remote_code}",
-                                      self.grammars)
+        parts = assemble(config, cost_source)
+        for f in dataclasses.fields(EngineParts):  # the parts as attributes: self.target, self.scheduler, ...
+            setattr(self, f.name, getattr(parts, f.name))
         self.requests: dict[str, Request] = {}
         self.totals = EngineTotals()
         self.last_step = StepStats()
         if self.compiled:
-            self._warm_up()
+            try:
+                self._warm_up()
+            except BaseException:
+                if self.sharded is not None:
+                    self.sharded.abort()
+                raise
 
     def _warm_up(self) -> None:
         """With a compiled target: compile before serving the shape classes a step meets, so that no request waits
@@ -179,20 +87,6 @@ class EngineCore:
     def proposer(self):
         """The default method's proposer (None without speculation)."""
         return self.proposers.get(self.default_method)
-
-    @staticmethod
-    def _model_paths(config: EngineConfig) -> tuple[Path | str, Path | str | None]:
-        """(target, the draft a draft method without a model uses: the bundled one for the demo target)."""
-        if config.model is not None:
-            return config.model, None
-        return demo_model_paths()
-
-    def _eos_ids(self, model) -> set[int]:
-        ids = getattr(model.generation_config, "eos_token_id", None)
-        ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # -- requests ---------------------------------------------------------------------------------------------
 
