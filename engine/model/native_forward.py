@@ -1,10 +1,10 @@
-"""A Llama causal LM's whole forward without transformers' model code around it, for steps the one-call decoder
-(fast_layers.NativeStack) runs: embedding, rotary tables, the decoder in one kernel call, final norm, the head on the
-rows wanted. The same modules in the same order as LlamaForCausalLM.forward, so the same logits bit for bit; what it
-leaves out is the per-call glue (decorators, output records, mask creation, 30 layers' pass-through calls): ~1.4 ms
-of a 12.6 ms 4-stream int4 step on a 2-core Xeon before it. Forwards without token trees also skip build_metadata:
-their attention view comes straight from the chunks (causal_groups). Measured: python -m bench.native_forward
-(docs/benchmarks.md, issue 34)."""
+"""A Llama-family causal LM's whole forward without transformers' model code around it, for steps the one-call
+decoder (fast_layers.NativeStack) runs: embedding, rotary tables, the decoder in one kernel call, final norm, the head
+on the rows wanted. The same modules in the same order as LlamaForCausalLM.forward (Mistral's and Qwen2's compute the
+same), so the same logits bit for bit; what it leaves out is the per-call glue (decorators, output records, mask
+creation, 30 layers' pass-through calls): ~1.4 ms of a 12.6 ms 4-stream int4 step on a 2-core Xeon before it.
+Forwards without token trees or windows also skip build_metadata: their attention view comes straight from the chunks
+(causal_groups). Measured: python -m bench.native_forward (docs/benchmarks.md, issue 34)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from specserve.engine.model.fast_layers import NATIVE_QUERY, NativeStack, _forwa
 from specserve.engine.model.hidden import decoder_layers
 from specserve.engine.sched.kv_cache import KVPool
 
-# causal LM -> its base model, whose forward is embed -> rotary -> layers -> norm (-> the head on kept rows); other
-# families (Qwen2's and Mistral's masks per layer type) keep transformers' forward
-MODELS = {"LlamaForCausalLM": "LlamaModel"}
+# causal LM -> its base model, whose forward is embed -> rotary -> layers -> norm (-> the head on kept rows); the masks
+# Qwen2's and Mistral's forwards also build are None under the engine's attention (it refuses any other), and their
+# windows travel in the layers' attention patterns, which the kernels' view applies
+MODELS = {"LlamaForCausalLM": "LlamaModel", "MistralForCausalLM": "MistralModel", "Qwen2ForCausalLM": "Qwen2Model"}
 
 
 class NativeForward:

@@ -46,7 +46,7 @@ class ModelRunner:
                 return self._logits(logits.float()), {}
         md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes,
                                        kernels=None if self.stable_shapes else self.kernels)
-        if native and any(c.parents is not None for c in chunks):  # token trees: through the query groups' masks
+        if native:  # token trees, windows: through the query groups' masks
             logits = self.native.forward(input_ids, positions, md, logits_index.to(self.device))
             if logits is not None:
                 return self._logits(logits.float()), {}

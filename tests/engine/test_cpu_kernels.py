@@ -159,17 +159,29 @@ def test_switched_off_the_engine_runs_torch_kernels(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_qwen2_and_mistral_layers_run_fused_and_stay_exact(tmp_path, family):
+def test_qwen2_and_mistral_layers_run_fused_and_stay_exact(tmp_path, family, monkeypatch):
     """q/k/v biases (Qwen2) and sliding-window layers (both: their masks) through the fused layer: the model as its
     own draft, greedy, equals plain decoding and has every drafted token accepted (broken K/V in the target's pool
-    or the draft's would show as a rejection, which greedy identity alone cannot see)."""
+    or the draft's would show as a rejection, which greedy identity alone cannot see). Mistral's layers all share
+    one window, so its decoder runs in one call without transformers' model code (the direct forward, through the
+    query groups' window masks): the same tokens as transformers' forward around the same call."""
     from tests.tiny_families import prompts, save_family
 
     path = save_family(family, tmp_path)
     plain = make_core(path, quantization="int4", block_size=4)
     assert all("forward" in vars(layer) for layer in decoder_layers(plain.target.model))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    direct, run_direct = [], NativeForward._run
+    monkeypatch.setattr(NativeForward, "_run", lambda self, *a: (lambda out: direct.append(out is not None) or out)(
+        run_direct(self, *a)))
     expected = [o.output_token_ids for o in run(plain, prompts(), params)]
+    if family == "mistral":  # (Qwen2's tiny config mixes a full and a sliding layer: one call per layer)
+        assert plain.target.native is not None and direct and all(direct)
+        native, plain.target.native = plain.target.native, None
+        assert [o.output_token_ids for o in run(plain, prompts(), params)] == expected
+        plain.target.native = native
+    else:
+        assert plain.target.native is None and not direct
     core = make_core(path, path, k=3, quantization="int4", block_size=4, max_num_batched_tokens=8)
     outs = run(core, prompts(), params, join_after=2, join_from=1)
     assert [o.output_token_ids for o in outs] == expected
