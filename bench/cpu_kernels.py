@@ -9,6 +9,8 @@ cpu_kernels/kernels.c > /tmp/old.c`), swapped in for its calls (the C interface 
 `python -m bench.cpu_kernels --methods none,eagle3 --concurrency 1,4,16 --rounds 3 --out docs/cpu-kernels.json`
 `python -m bench.cpu_kernels --against no-amx --methods none,ngram --concurrency 1,4,16 --rounds 3`
 `python -m bench.cpu_kernels --against source:/tmp/old.c --methods none --concurrency 1,4,16 --rounds 5`
+`--against transformers`: the direct forward (engine/model/native_forward.py) against transformers' forward around
+the same one-call decoder; the same engine, the direct path off for the baseline's calls.
 
 Offline `LLM.generate`, greedy, `ignore_eos`, held-out chat questions as plain prompts. Reports the median tokens/s
 of each engine, the median of the per-round ratios, and the share of requests whose tokens were identical (in bf16
@@ -44,18 +46,18 @@ def build_pair(quantization: str, method: str):
     return with_kernels, without
 
 
-class WithoutAmx:
-    """The same engine, its AMX tiles switched off for the length of each call (the weights' layout is the same)."""
+class Switched:
+    """The same engine with something switched off for the length of each call: `off()` before, `on()` after."""
 
-    def __init__(self, llm):
-        self.llm, self.lib = llm, llm.engine.target.kernels
+    def __init__(self, llm, off, on):
+        self.llm, self.off, self.on = llm, off, on
 
     def generate(self, prompts, params):
-        self.lib.specserve_amx(0)
+        self.off()
         try:
             return self.llm.generate(prompts, params)
         finally:
-            self.lib.specserve_amx(1)
+            self.on()
 
 
 class WithLibrary:
@@ -102,9 +104,23 @@ def amx_pair(quantization: str, method: str):
     from specserve.engine.model.cpu_kernels import ops
 
     llm = LLM(quantization=quantization, speculative_method=method)
-    if llm.engine.target.kernels is None or not ops.amx(llm.engine.target.kernels):
+    lib = llm.engine.target.kernels
+    if lib is None or not ops.amx(lib):
         raise SystemExit("no AMX tiles here (CPU, kernel, build or SPECSERVE_CPU_AMX=0); nothing to compare")
-    return llm, WithoutAmx(llm)
+    return llm, Switched(llm, lambda: lib.specserve_amx(0), lambda: lib.specserve_amx(1))
+
+
+def direct_pair(quantization: str, method: str):
+    """The direct forward (engine/model/native_forward.py) against transformers' forward around the same decoder call
+    (the runner's direct path off for the baseline's calls)."""
+    from specserve.engine import LLM
+
+    llm = LLM(quantization=quantization, speculative_method=method)
+    runner = llm.engine.target
+    direct = runner.native
+    if direct is None:
+        raise SystemExit("this target has no direct forward (not a Llama-family model on the CPU kernels)")
+    return llm, Switched(llm, lambda: setattr(runner, "native", None), lambda: setattr(runner, "native", direct))
 
 
 def measure(quantization: str, method: str, concurrency: list[int], max_tokens: int, rounds: int,
@@ -115,6 +131,8 @@ def measure(quantization: str, method: str, concurrency: list[int], max_tokens: 
 
     if against.startswith("source:"):
         engines = source_pair(quantization, method, against.split(":", 1)[1])
+    elif against == "transformers":
+        engines = direct_pair(quantization, method)
     else:
         engines = amx_pair(quantization, method) if against == "no-amx" else build_pair(quantization, method)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -154,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--against", default="torch",
-                    help="the baseline: torch (torch's kernels), no-amx (the kernels without their AMX tiles) or "
-                         "source:FILE.c (a library built from another kernels.c)")
+                    help="the baseline: torch (torch's kernels), no-amx (the kernels without their AMX tiles), "
+                         "source:FILE.c (a library built from another kernels.c) or transformers (transformers' forward "
+                         "around the one-call decoder instead of the direct forward)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if args.against not in ("torch", "no-amx") and not args.against.startswith("source:"):
-        ap.error("--against: torch, no-amx or source:FILE.c")
+    if args.against not in ("torch", "no-amx", "transformers") and not args.against.startswith("source:"):
+        ap.error("--against: torch, no-amx, transformers or source:FILE.c")
     cs = [int(c) for c in args.concurrency.split(",")]
     rows = [row for m in args.methods.split(",") for row in measure(args.quantization, m, cs, args.max_tokens,
                                                                      args.rounds, args.against)]
