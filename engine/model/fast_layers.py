@@ -178,17 +178,12 @@ class NativeLayer:
             groups = []
             for g in md.groups:
                 view = g.key_view(pattern)
-                groups.append((view.slots, view.mask[:, 0], g.token_index, g.output_index))
-            entry = self.view_of(md.num_tokens, groups, cos, sin, md.write_slots)
+                groups.append((view.slots.contiguous(), view.mask[:, 0].contiguous(), g.token_index.contiguous(),
+                               g.output_index.contiguous()))
+            keep = (groups, cos[0].contiguous(), sin[0].contiguous(), md.write_slots.contiguous())
+            entry = (cpu_ops.forward_view(md.num_tokens, keep[1], keep[2], keep[3], groups), keep)
         md.native[pattern] = entry
         return entry
-
-    @staticmethod
-    def view_of(num_tokens: int, groups: list[tuple], cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor):
-        """(the C view, the tensors it points into): groups as cpu_ops.forward_view takes them, cos/sin [1, T, D]."""
-        groups = [tuple(t.contiguous() for t in g) for g in groups]
-        keep = (groups, cos[0].contiguous(), sin[0].contiguous(), write_slots.contiguous())
-        return cpu_ops.forward_view(num_tokens, keep[1], keep[2], keep[3], groups), keep
 
     def fits_pool(self, k_store: torch.Tensor) -> bool:
         return k_store.shape[2:] == (self.kv_heads, self.head_dim) and k_store.dtype in cpu_ops.DTYPE_CODES

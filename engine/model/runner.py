@@ -39,14 +39,9 @@ class ModelRunner:
         if self.vocab_map is not None:
             input_ids = self.vocab_map.to_draft_ids(input_ids)
         capture = capture and self.taps is not None
-        native = self.native is not None and not capture and not self.stable_shapes
-        if native:  # causal chunks: no query groups built at all
-            logits = self.native.forward_causal(input_ids, self.kv, chunks, logits_index, self.kernels)
-            if logits is not None:
-                return self._logits(logits.float()), {}
         md, positions = build_metadata(self.kv, chunks, self.device, self.stable_shapes,
                                        kernels=None if self.stable_shapes else self.kernels)
-        if native:  # token trees, windows: through the query groups' masks
+        if self.native is not None and not capture and not self.stable_shapes:
             logits = self.native.forward(input_ids, positions, md, logits_index.to(self.device))
             if logits is not None:
                 return self._logits(logits.float()), {}

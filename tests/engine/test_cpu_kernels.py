@@ -48,7 +48,7 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
         return torch.cat([runner.forward(ids[:first], chunks[:1], rows[:first]),
                           runner.forward(ids[first:], chunks[1:], rows[:3])])
     calls, stacks, direct = [], [], []
-    run_native, run_stack, run_direct = NativeLayer.run, NativeStack.run, NativeForward.forward_causal
+    run_native, run_stack, run_direct = NativeLayer.run, NativeStack.run, NativeForward.forward
     layers = len(decoder_layers(runner.model))
 
     def counted(self, *args):
@@ -58,7 +58,7 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
     with monkeypatch.context() as patch:
         patch.setattr(NativeLayer, "run", lambda self, *a: calls.append(1) or run_native(self, *a))
         patch.setattr(NativeStack, "run", lambda self, *a: stacks.append(1) or run_stack(self, *a))
-        patch.setattr(NativeForward, "forward_causal", counted)
+        patch.setattr(NativeForward, "forward", counted)
         fused = both_calls()
         assert stacks == [1, 1] and not calls  # each forward's layers ran in one call, the whole decoder
         assert direct == [True, True]  # ... without transformers' model code around it
@@ -74,7 +74,7 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
     for layer in decoder_layers(runner.model):  # back to HF's forward (the class's)
         del layer.forward
     with monkeypatch.context() as patch:
-        patch.setattr(NativeForward, "forward_causal", counted)
+        patch.setattr(NativeForward, "forward", counted)
         hf = both_calls()
     assert direct == [True, True, False, False]  # layers without the engine's forward: no direct path either
     assert not torch.equal(hf, torch.zeros_like(hf))
@@ -115,16 +115,17 @@ def test_a_bf16_llama_runs_its_dense_layers_fused(tiny, monkeypatch):
 
 def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny, monkeypatch):
     """fp32: every decode and verify forward runs the decoder as one kernel call, without transformers' model code
-    (chains: views built from the chunks; trees: from the query groups' masks)."""
+    (trees through their query groups' masks)."""
     expected = [o.output_token_ids for o in run(make_core(tiny["llama"], quantization="int4"), PROMPTS, GREEDY)]
-    for kw, entry in ((dict(speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_branches=3,
-                            max_num_batched_tokens=24), "forward"),
-                      (dict(draft=tiny["llama_draft"], k=3), "forward_causal")):
+    direct = NativeForward.forward
+    for kw in (dict(speculative_method="ngram", k=6, prompt_lookup_min=1, prompt_lookup_branches=3,
+                    max_num_batched_tokens=24),
+               dict(draft=tiny["llama_draft"], k=3)):
         core = make_core(tiny["llama"], quantization="int4", **kw)
-        ran, method = [], getattr(NativeForward, entry)
+        ran = []
         with monkeypatch.context() as patch:
-            patch.setattr(NativeForward, entry, lambda self, *a: (lambda out: ran.append(out is not None) or out)(
-                method(self, *a)))
+            patch.setattr(NativeForward, "forward", lambda self, *a: (lambda out: ran.append(out is not None) or out)(
+                direct(self, *a)))
             outs = run(core, PROMPTS, GREEDY, join_after=3, join_from=5)
         assert [o.output_token_ids for o in outs] == expected
         assert sum(o.speculation.num_accepted_tokens for o in outs) > 0
@@ -171,8 +172,8 @@ def test_qwen2_and_mistral_layers_run_fused_and_stay_exact(tmp_path, family, mon
     plain = make_core(path, quantization="int4", block_size=4)
     assert all("forward" in vars(layer) for layer in decoder_layers(plain.target.model))
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    direct, run_direct = [], NativeForward._run
-    monkeypatch.setattr(NativeForward, "_run", lambda self, *a: (lambda out: direct.append(out is not None) or out)(
+    direct, run_direct = [], NativeForward.forward
+    monkeypatch.setattr(NativeForward, "forward", lambda self, *a: (lambda out: direct.append(out is not None) or out)(
         run_direct(self, *a)))
     expected = [o.output_token_ids for o in run(plain, prompts(), params)]
     if family == "mistral":  # (Qwen2's tiny config mixes a full and a sliding layer: one call per layer)
