@@ -116,8 +116,20 @@ HELP: dict[str, tuple[str, str | None]] = {
     "prefix_caching_per_key": ("salt the prefix cache by the API key that authenticated the request, so that one "
                                "tenant's time to first token cannot reveal another's prompts "
                                "(--no-prefix-caching-per-key shares the cache between keys)", None),
+    "max_connections": ("most open HTTP connections; beyond it the oldest connection still waiting on its client (a "
+                        "head or body arriving, or idle between requests) is closed, and when none is, the new one "
+                        "gets HTTP 503", "the descriptor limit less max(256, limit/8), at most 4096"),
+    "max_header_count": ("most headers in a request; more: HTTP 431", None),
+    "max_header_bytes": ("largest request head (request line + headers); larger: HTTP 431; accepts sizes like 32KiB",
+                         None),
+    "header_timeout": ("seconds a request head may take to arrive, from the connection's accept or the head's first "
+                       "byte; then HTTP 408 (a connection that sent nothing is closed quietly)", None),
+    "body_idle_timeout": ("seconds a request body may pause between two reads; then HTTP 408", None),
+    "body_timeout": ("seconds a whole request body may take to arrive; then HTTP 408 (answers are not bounded: a "
+                     "stream may take as long as its client reads)", None),
+    "keep_alive_timeout": ("seconds an idle connection is kept open between requests", None),
 }
-SIZE_FIELDS = frozenset({"kv_cache_memory", "max_request_bytes"})
+SIZE_FIELDS = frozenset({"kv_cache_memory", "max_request_bytes", "max_header_bytes"})
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 _POWER = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}

@@ -250,6 +250,14 @@ class ServerConfig:
     prefix_caching_per_key: bool = True  # with several API keys, requests of different keys never share cached KV
     responses_store_max_entries: int = 1000  # /v1/responses with store: true keeps at most this many (oldest out)
     responses_store_max_age: float = 3600.0  # ... for at most this many seconds
+    # the transport (server/transport.py): what a connection may cost before it has sent a whole request
+    max_connections: int | None = None  # None: from the descriptor limit (server/transport.py)
+    max_header_count: int = 100  # more request headers: HTTP 431
+    max_header_bytes: int = 32 << 10  # a larger request head: HTTP 431
+    header_timeout: float = 20.0  # seconds for a request head to arrive (from accept, or its first byte)
+    body_idle_timeout: float = 20.0  # seconds between two reads of a request body
+    body_timeout: float = 120.0  # seconds for a whole request body to arrive
+    keep_alive_timeout: float = 5.0  # seconds an idle connection is kept between requests
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -272,6 +280,15 @@ class ServerConfig:
             raise ValueError("responses_store_max_entries: must be >= 0 (0: store nothing)")
         if self.responses_store_max_age <= 0:
             raise ValueError("responses_store_max_age: must be > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections: must be >= 1")
+        if self.max_header_count < 1:
+            raise ValueError("max_header_count: must be >= 1")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes: must be >= 1024")
+        for name in ("header_timeout", "body_idle_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
 
 
 @dataclass(frozen=True)

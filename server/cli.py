@@ -86,11 +86,21 @@ def _serve(args: argparse.Namespace) -> int:
     from specserve.config.loader import build_config
     from specserve.server.app import begin_drain, create_app
     from specserve.server.request_log import configure_logging
+    from specserve.server.transport import (
+        BoundedListener,
+        ConnectionBook,
+        TransportLimits,
+        protocol_factory,
+        raise_descriptor_limit,
+    )
 
     config = build_config(args, os.environ)
     _check_before_listening(config.engine)
     configure_logging(config.server.log_level, config.server.log_format)
     app = create_app(config)
+    limits = TransportLimits.from_config(config.server, raise_descriptor_limit())
+    book = ConnectionBook(limits, on_close=app.state.metrics.record_connection_closed)
+    app.state.metrics.watch_connections(lambda: book.open)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM/SIGINT: stop admitting, let in-flight requests finish
@@ -100,10 +110,12 @@ def _serve(args: argparse.Namespace) -> int:
             # is a successful run for us and for orchestrators, so exit 0 instead
             self._captured_signals.clear()
 
-    server = Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                   log_level=config.server.log_level, log_config=None,
-                                   timeout_graceful_shutdown=config.server.shutdown_timeout + 5))
-    server.run()
+    # the h11 protocol always (whether or not httptools is installed): the transport's limits watch its states
+    uv = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+                        log_config=None, timeout_graceful_shutdown=config.server.shutdown_timeout + 5,
+                        http=protocol_factory(book), ws="none", timeout_keep_alive=limits.keep_alive_timeout,
+                        h11_max_incomplete_event_size=limits.max_header_bytes)
+    Server(uv).run(sockets=[BoundedListener.take(uv.bind_socket())])
     return 0
 
 

@@ -82,6 +82,11 @@ class Metrics:
                                       registry=r)
         self.prefix_hits = Counter("specserve_prefix_cache_hits",
                                    "Prompt tokens whose KV came from the prefix cache", mod, registry=r)
+        self.connections = Gauge("specserve_http_connections", "Open HTTP connections", registry=r)
+        self.connections_closed = Counter("specserve_http_connections_closed",
+                                          "Connections the server closed before a request arrived whole (reason: "
+                                          "header_timeout, body_timeout, header_limit, invalid_http, evicted, refused)",
+                                          ["reason"], registry=r)
         for metric in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.acceptance_rate,
                        self.accepted_length, self.chosen_k, self.draft_seconds, self.verify_seconds):
             metric.labels(model, method)  # present (at 0) before the first step
@@ -154,6 +159,12 @@ class Metrics:
     def record_failure(self, reason: str) -> None:
         """Engine thread (aborts) or event loop (refused requests): prometheus_client counters are thread-safe."""
         self.failure.labels(self.model, reason).inc()
+
+    def watch_connections(self, count) -> None:
+        self.connections.set_function(count)
+
+    def record_connection_closed(self, reason: str) -> None:
+        self.connections_closed.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

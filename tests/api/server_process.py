@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -19,14 +20,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tiny, *extra: str, env: dict | None = None):
+    def __init__(self, tiny, *extra: str, env: dict | None = None, nofile: int | None = None):
+        """nofile: the server's descriptor limit, soft and hard (so that it cannot raise it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "specserve", "serve", "--model", str(tiny["llama"]), "--draft-model",
                str(tiny["llama_draft"]), "--dtype", "float32", "--kv-cache-memory", "16MiB",
                "--served-model-name", "tiny", "--port", str(self.port), "--log-level", "warning", *extra]
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.proc = subprocess.Popen(cmd, env=os.environ | (env or {}), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+                                     stderr=subprocess.STDOUT, text=True, preexec_fn=limit)
         deadline = time.monotonic() + 90
         while True:
             assert self.proc.poll() is None, self.proc.stdout.read()
