@@ -5,15 +5,16 @@ memory and KV gauges, and check it ends idle, with the KV cache empty, and exits
  [--extra-args "--dtype float32 --max-num-seqs 16"]`
 
 The load mixes streamed chat completions, non-streamed completions, streams the client drops at a random point,
-and invalid requests (temperature out of range, an unknown field, malformed JSON). Every few seconds it samples
-the server's RSS (VmRSS of /proc/PID/status) and the `specserve_kv_cache_usage_ratio`,
+and invalid requests (temperature out of range, an unknown field, malformed JSON); with --abusers, also bursts of
+hostile connections (slow heads, slow bodies, silent ones, 10,000-header floods) that the server must close. Every
+few seconds it samples the server's RSS (VmRSS of /proc/PID/status) and the `specserve_kv_cache_usage_ratio`,
 `specserve_num_requests_running` and `specserve_num_requests_waiting` gauges of /metrics.
 
 Prints a JSON report (stdout, or --out FILE) and a summary table (stderr). Exits 1 when a valid request got a 5xx
 or ended with an error event, any request hung (no response within --hung-timeout), an invalid request was
-accepted or got a 5xx, a transport error happened, the server did not go back to idle with an empty KV cache,
-or it did not exit 0 on SIGTERM (with --strict-rss also when RSS grew more than 10% after warm-up); 2 when the
-server never became healthy.
+accepted or got a 5xx, a transport error happened, a hostile connection was answered 2xx or held past
+--hung-timeout, the server did not go back to idle with an empty KV cache, or it did not exit 0 on SIGTERM (with
+--strict-rss also when RSS grew more than 10% after warm-up); 2 when the server never became healthy.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from bench.output import emit
-from bench.soak_load import Stats, worker
+from bench.soak_load import Stats, abuser, worker
 from bench.soak_report import RSS_FLAT_RATIO, failures_of, kv_summary, percentiles, rss_summary, summary_table
 
 HOST = "127.0.0.1"  # the only address this script ever talks to
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds to wait after the load for running = waiting = 0 and KV usage = 0")
     ap.add_argument("--shutdown-wait", type=float, default=None,
                     help="seconds to wait for exit after SIGTERM (default: --shutdown-timeout of the server + 30)")
+    ap.add_argument("--abusers", type=int, default=0,
+                    help="more workers that attack the transport: slow heads and bodies, silent connections, "
+                         "header floods (give the server short --header-timeout etc. in --extra-args)")
+    ap.add_argument("--abuse-burst", type=int, default=8, help="an abuser opens up to this many connections at once")
     ap.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     ap.add_argument("--strict-rss", action="store_true",
                     help=f"also fail when RSS at the end exceeds {RSS_FLAT_RATIO} x RSS after warm-up")
@@ -249,7 +254,8 @@ async def run(args: argparse.Namespace, server: ServerProcess) -> dict:
         t0 = time.monotonic()
         sampling = asyncio.create_task(sampler(server, probe, t0, samples, stop, args.sample_interval))
         deadline = t0 + load_s
-        await asyncio.gather(*(worker(i, server, client, model, stats, deadline, args) for i in range(args.concurrency)))
+        await asyncio.gather(*(worker(i, server, client, model, stats, deadline, args) for i in range(args.concurrency)),
+                             *(abuser(i, server, stats, deadline, args) for i in range(args.abusers)))
         load_seconds = time.monotonic() - t0
         exited_during_load = server.proc.poll()
         stop.set()

@@ -161,3 +161,65 @@ async def worker(i: int, server: ServerProcess, client: httpx.AsyncClient, model
         await one_request(client, rng.choices(kinds, weights)[0], model, rng, stats, args)
         if stats.outcomes["transport_error"] > errors:
             await asyncio.sleep(0.1)  # no tight loop against a server that refuses connections
+
+
+# -- clients that attack the transport (--abusers): each opens a burst of connections of one kind at once ---------
+ABUSE = {"slow_head": 30, "slow_body": 30, "silent": 15, "header_flood": 25}
+_HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
+
+
+async def _send_abuse(kind: str, writer: asyncio.StreamWriter) -> None:
+    if kind == "header_flood":  # vLLM's CVE-2025-48956: a head of 10,000 headers, in one write
+        writer.write(b"GET /health HTTP/1.1\r\nhost: soak\r\n" + b"".join(b"x-%d: y\r\n" % i for i in range(10_000))
+                     + b"\r\n")
+    elif kind == "slow_head":  # a header line every half second, never the end of the head
+        writer.write(_HEAD)
+        for i in range(10_000):
+            await asyncio.sleep(0.5)
+            writer.write(b"x-%d: y\r\n" % i)
+    elif kind == "slow_body":  # a 100 kB body announced, one byte a second sent
+        writer.write(_HEAD + b"content-length: 100000\r\n\r\n")
+        for _ in range(100_000):
+            writer.write(b" ")
+            await asyncio.sleep(1.0)
+    await asyncio.sleep(3600)  # "silent": connected, says nothing
+
+
+async def abuse_one(kind: str, host: str, port: int, stats: Stats, args: argparse.Namespace) -> None:
+    """One hostile connection: the server must answer it with a 4xx/503 or close it, within --hung-timeout."""
+    start = time.monotonic()
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as exc:
+        stats.record(kind, "abuse_refused_connect", repr(exc))  # the listen queue was full: not a failure
+        return
+    sender = asyncio.create_task(_send_abuse(kind, writer))
+    answer = b""
+    try:
+        async with asyncio.timeout(args.hung_timeout):
+            while chunk := await reader.read(65536):
+                answer += chunk
+    except TimeoutError:
+        stats.record(kind, "abuse_held", f"still open after {args.hung_timeout:g} s")
+        return
+    except OSError:
+        pass  # reset by the server: closed
+    finally:
+        sender.cancel()
+        writer.close()
+    status = answer.split(b" ", 2)[1].decode(errors="replace") if answer.startswith(b"HTTP/1.1 ") else "none"
+    if status.startswith(("2", "3")):
+        stats.record(kind, f"abuse_accepted:{status}", answer[:300].decode(errors="replace"))
+    else:
+        stats.record(kind, f"closed:{status}")
+        stats.latency[kind].append(time.monotonic() - start)  # how long the server held it
+
+
+async def abuser(i: int, server: ServerProcess, stats: Stats, deadline: float, args: argparse.Namespace) -> None:
+    rng = random.Random(args.seed * 1000 + 500 + i)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    kinds, weights = list(ABUSE), list(ABUSE.values())
+    while time.monotonic() < deadline and server.proc.poll() is None:
+        kind = rng.choices(kinds, weights)[0]
+        burst = rng.randint(1, args.abuse_burst)
+        await asyncio.gather(*(abuse_one(kind, host, int(port), stats, args) for _ in range(burst)))

@@ -44,8 +44,8 @@ def failures_of(report: dict, strict_rss: bool) -> list[str]:
     out = []
     o = report["requests"]["by_outcome"]
     for key, n in sorted(o.items()):
-        if key.startswith(("5xx:", "5xx_invalid:", "invalid_accepted:")) or key in (
-                "hung", "stream_error", "stream_truncated", "transport_error"):
+        if key.startswith(("5xx:", "5xx_invalid:", "invalid_accepted:", "abuse_accepted:")) or key in (
+                "hung", "stream_error", "stream_truncated", "transport_error", "abuse_held"):
             out.append(f"{n} request(s) with outcome {key}")
     final = report["final_gauges"]
     if not final.get("idle"):

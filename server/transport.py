@@ -27,6 +27,8 @@ DESCRIPTOR_RESERVE = 256
 # ... and stops here however high the limit: each waiting connection holds up to max_header_bytes of a head
 DEFAULT_MAX_CONNECTIONS = 4096
 ACCEPT_BURST = 16  # connections accepted per event-loop turn: accepted sockets wait a turn or two for their protocol
+SHED_AFTER = 0.05  # seconds a connection waits on its client before it may be shed: a connection accepted a moment
+# ago has had no chance to be read (a normal client's head is usually in its first read); newcomers are refused instead
 LINGER_SECONDS = 2.0  # a refused or timed-out connection is drained this long, so its client reads the answer
 MAX_LINGERING = 64  # beyond this many draining at once, close at once (the answer may be lost to a reset)
 
@@ -78,15 +80,19 @@ def error_bytes(status: int, message: str, code: str, type: str = "invalid_reque
 
 class ConnectionBook:
     """The open connections of one server: how many are active (not closing), how many drain a last answer, and
-    which wait on their client (a head or body still arriving, or idle between requests), oldest first."""
+    which wait on their client (a head or body still arriving; idle between requests), oldest first."""
 
-    def __init__(self, limits: TransportLimits, on_close: Callable[[str], None] | None = None):
-        self.limits = limits
+    def __init__(self, limits: TransportLimits, on_close: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.limits, self.clock = limits, clock
         self.open = 0  # every connection whose socket is still open
         self.active = 0  # ... less those closing
         self.lingering = 0
         self.closed: Counter[str] = Counter()  # reason -> connections the server ended before an answer
-        self._waiting: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        # waiting on their client since (monotonic seconds), oldest first: still sending a request (shed first), and
+        # idle between requests
+        self._sending: OrderedDict[GuardedH11Protocol, float] = OrderedDict()
+        self._idle: OrderedDict[GuardedH11Protocol, float] = OrderedDict()
         self._on_close = on_close
 
     def admit(self, conn: GuardedH11Protocol) -> bool:
@@ -95,22 +101,40 @@ class ConnectionBook:
         self.open += 1
         self.active += 1
         while self.active > self.limits.max_connections:
-            # oldest first; one still flushing an answer to its reader is being served, whatever its phase
-            victim = next((c for c in self._waiting if c.transport.get_write_buffer_size() == 0), None)
+            victim = self._victim()
             if victim is None:
                 return False
             victim.shed()
         return True
 
-    def waiting(self, conn: GuardedH11Protocol) -> None:
-        self._waiting.setdefault(conn, None)  # keeps its place: the time it began waiting orders evictions
+    def _victim(self) -> GuardedH11Protocol | None:
+        """The connection to shed: oldest first, a client still sending before an idle one (which has finished a
+        request), none that began waiting less than SHED_AFTER ago; one still flushing an answer to its reader is
+        being served, whatever its phase."""
+        recent = self.clock() - SHED_AFTER
+        for waiting in (self._sending, self._idle):
+            for conn, since in waiting.items():
+                if since > recent:
+                    break
+                if conn.transport.get_write_buffer_size() == 0:
+                    return conn
+        return None
+
+    def sending(self, conn: GuardedH11Protocol) -> None:
+        self._idle.pop(conn, None)
+        self._sending.setdefault(conn, self.clock())  # a head that became a body keeps its place in the order
+
+    def idle(self, conn: GuardedH11Protocol) -> None:
+        self._sending.pop(conn, None)
+        self._idle[conn] = self.clock()
 
     def serving(self, conn: GuardedH11Protocol) -> None:
-        self._waiting.pop(conn, None)
+        self._sending.pop(conn, None)
+        self._idle.pop(conn, None)
 
     def closing(self, conn: GuardedH11Protocol, reason: str | None, linger: bool) -> bool:
         """`conn` stops counting against the cap; True when it may drain its answer (within the lingering budget)."""
-        self._waiting.pop(conn, None)
+        self.serving(conn)  # out of both orders
         self.active -= 1
         if reason is not None:
             self.closed[reason] += 1
@@ -122,7 +146,7 @@ class ConnectionBook:
         return False
 
     def lost(self, conn: GuardedH11Protocol, was_closing: bool, was_lingering: bool) -> None:
-        self._waiting.pop(conn, None)
+        self.serving(conn)
         self.open -= 1
         if not was_closing:
             self.active -= 1
@@ -236,8 +260,10 @@ class GuardedH11Protocol(H11Protocol):
         if phase == HEAD:
             self._head_bytes = 0
         self._disarm()
-        if phase in (HEAD, BODY, IDLE):
-            self.book.waiting(self)
+        if phase in (HEAD, BODY):
+            self.book.sending(self)
+        elif phase == IDLE:
+            self.book.idle(self)
         else:
             self.book.serving(self)
         if phase == HEAD:

@@ -52,6 +52,15 @@ class _Transport:
         return self.unsent
 
 
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 1.0  # every connection has waited a second longer than the one before it
+        return self.now
+
+
 class _Conn:
     """What the book asks of a connection: its transport's unsent bytes, and shed() (which ends it)."""
 
@@ -64,15 +73,15 @@ class _Conn:
 
 
 def test_book_sheds_the_oldest_waiting_connection_never_a_served_one():
-    book = ConnectionBook(TransportLimits(3, 100, 1 << 15, 1, 1, 1, 1))
+    book = ConnectionBook(TransportLimits(3, 100, 1 << 15, 1, 1, 1, 1), clock=_Clock())
     a, b, c, d, e = (_Conn(book, n) for n in "abcde")
     for conn in (a, b, c):
         assert book.admit(conn)
-        book.waiting(conn)
+        book.sending(conn)
     book.serving(a)  # a's request arrived whole: being answered
-    book.waiting(b)  # b's head became a body: keeps its place
+    book.sending(b)  # b's head became a body: keeps its place
     assert book.admit(d) and b.shed_count == 1 and c.shed_count == 0 and a.shed_count == 0
-    book.waiting(d)
+    book.sending(d)
     assert book.admit(e) and c.shed_count == 1 and d.shed_count == 0
     assert (book.open, book.active, book.closed["evicted"]) == (5, 3, 2)
     book.lost(b, was_closing=True, was_lingering=False)
@@ -80,14 +89,39 @@ def test_book_sheds_the_oldest_waiting_connection_never_a_served_one():
 
 
 def test_book_refuses_when_none_may_be_shed():
-    book = ConnectionBook(TransportLimits(2, 100, 1 << 15, 1, 1, 1, 1))
+    book = ConnectionBook(TransportLimits(2, 100, 1 << 15, 1, 1, 1, 1), clock=_Clock())
     served, flushing, new = _Conn(book, "served"), _Conn(book, "flushing", unsent=10), _Conn(book, "new")
     for conn in (served, flushing):
         book.admit(conn)
     book.serving(served)
-    book.waiting(flushing)  # idle between requests, but its last answer is still being written to a slow reader
+    book.idle(flushing)  # idle between requests, but its last answer is still being written to a slow reader
     assert not book.admit(new)
     assert served.shed_count == flushing.shed_count == 0
+
+
+def test_book_sheds_clients_still_sending_before_idle_ones():
+    book = ConnectionBook(TransportLimits(2, 100, 1 << 15, 1, 1, 1, 1), clock=_Clock())
+    idle, sending, new, newer = (_Conn(book, n) for n in ("idle", "sending", "new", "newer"))
+    book.admit(idle)
+    book.idle(idle)  # finished a request first: the oldest
+    book.admit(sending)
+    book.sending(sending)
+    assert book.admit(new) and sending.shed_count == 1 and idle.shed_count == 0
+    book.serving(new)
+    assert book.admit(newer) and idle.shed_count == 1
+
+
+def test_book_never_sheds_a_connection_that_just_began_waiting():
+    clock = _Clock()
+    book = ConnectionBook(TransportLimits(1, 100, 1 << 15, 1, 1, 1, 1), clock=lambda: clock.now)
+    old, new = _Conn(book, "old"), _Conn(book, "new")
+    book.admit(old)
+    book.sending(old)
+    clock.now += 0.1  # its head is still arriving, as a normal client's may be
+    assert not book.admit(new) and old.shed_count == 0
+    book.closing(new, "refused", linger=False)  # what the protocol does with a refused connection
+    clock.now += 1.0
+    assert book.admit(_Conn(book, "newer")) and old.shed_count == 1
 
 
 def test_book_lingering_budget():
