@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
+import re
 import resource
 import socket
 import time
@@ -33,6 +34,7 @@ LINGER_SECONDS = 2.0  # a refused or timed-out connection is drained this long, 
 MAX_LINGERING = 64  # beyond this many draining at once, close at once (the answer may be lost to a reset)
 
 HEAD, BODY, IDLE, SERVING, CLOSING = "head", "body", "idle", "serving", "closing"
+_HEAD_END = re.compile(rb"\n\r?\n")  # where a request head ends, as h11 finds it
 
 
 @dataclass(frozen=True)
@@ -154,9 +156,33 @@ class ConnectionBook:
             self.lingering -= 1
 
 
+class HeadScan:
+    """The bytes and header lines of one request head as its pieces arrive, up to its end, before a parser sees it."""
+
+    def __init__(self):
+        self.bytes = self.lines = 0
+        self.done = False  # its end has arrived
+        self._tail = b""  # the last bytes seen, where the head's end may begin
+
+    def feed(self, data: bytes) -> int:
+        """Count what `data` adds to the head (nothing once it is done); the number of header lines so far."""
+        if not self.done:
+            if not self.bytes:
+                data = data.lstrip(b"\r\n")  # blank lines before a request line, which h11 skips
+            window = self._tail + data
+            end = _HEAD_END.search(window)
+            self.done = end is not None
+            part = data[:max(0, end.end() - len(self._tail))] if self.done else data
+            self.bytes += len(part)
+            self.lines += part.count(b"\n")
+            self._tail = window[-2:]
+        return max(0, self.lines - (2 if self.done else 1))  # less the request line (and the blank line)
+
+
 class _LimitedH11(h11.Connection):
     """h11's server side with a bound on the request head: its size while incomplete (h11's own buffer limit, a 431)
-    and, once parsed, its header count and size; the last error is kept for the answer."""
+    and, once parsed, its header count and size (for pipelined heads, which the protocol's scan does not see); the
+    last error is kept for the answer."""
 
     def __init__(self, limits: TransportLimits):
         super().__init__(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
@@ -187,7 +213,7 @@ class GuardedH11Protocol(H11Protocol):
         self.conn = _LimitedH11(self.limits)
         self.phase = HEAD
         self._lingering = False
-        self._head_bytes = 0  # bytes of the current head received so far
+        self._head = HeadScan()  # the current request head, as it arrives
         self._phase_start = self._last_read = 0.0
         self._deadline: object | None = None  # the TimerHandle of the current phase's deadline
 
@@ -205,11 +231,23 @@ class GuardedH11Protocol(H11Protocol):
             return  # draining: the answer is written, nothing more is read
         if self.phase == IDLE:
             self._enter(HEAD)  # a kept-alive connection's next request begins
-        if self.phase == HEAD:
-            self._head_bytes += len(data)
+        if self.phase == HEAD and self._scan_head(data):
+            return self._refuse_head()  # before h11 parses it: a 10,000-header head costs no memory here
         self._last_read = time.monotonic()
         super().data_received(data)
         self._follow_parser()
+
+    def _scan_head(self, data: bytes) -> bool:
+        """True when `data` takes the head still arriving over a limit. h11 parses a head only once it is whole,
+        and a whole one of any size if it came at once: this counts before it does."""
+        headers = self._head.feed(data)
+        return self._head.bytes > self.limits.max_header_bytes or headers > self.limits.max_header_count
+
+    def _refuse_head(self) -> None:
+        self.end("header_limit", error_bytes(
+            431, f"the request head exceeds max_header_count ({self.limits.max_header_count} headers) or "
+                 f"max_header_bytes ({self.limits.max_header_bytes} bytes)", "request_header_fields_too_large",
+            param="headers"))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -229,11 +267,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:  # h11 found the head invalid, or over a limit (431)
         error = self.conn.error
-        if error is not None and error.error_status_hint == 431:
-            self.end("header_limit", error_bytes(
-                431, f"the request head exceeds max_header_count ({self.limits.max_header_count} headers) or "
-                     f"max_header_bytes ({self.limits.max_header_bytes} bytes)", "request_header_fields_too_large",
-                param="headers"))
+        if error is not None and error.error_status_hint == 431:  # a pipelined head, parsed from h11's buffer
+            self._refuse_head()
         else:
             self.end("invalid_http", error_bytes(400, f"invalid HTTP request: {error or msg}", "invalid_http"))
 
@@ -247,7 +282,7 @@ class GuardedH11Protocol(H11Protocol):
             if self.phase == SERVING:  # the answer is done; uvicorn's keep-alive timer runs
                 pending = len(self.conn.trailing_data[0])  # a pipelined head partly received already
                 self._enter(HEAD if pending else IDLE)
-                self._head_bytes = pending
+                self._head.bytes = pending  # not scanned: h11 has it (its bounds hold)
         elif state is h11.SEND_BODY:
             if self.phase != BODY:
                 self._enter(BODY)
@@ -258,7 +293,7 @@ class GuardedH11Protocol(H11Protocol):
         self.phase = phase
         self._phase_start = self._last_read = time.monotonic()
         if phase == HEAD:
-            self._head_bytes = 0
+            self._head = HeadScan()
         self._disarm()
         if phase in (HEAD, BODY):
             self.book.sending(self)
@@ -283,7 +318,7 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         now = time.monotonic()
         if self.phase == HEAD:
-            if self._head_bytes == 0:  # said nothing: closed quietly, as an idle kept-alive connection is
+            if self._head.bytes == 0:  # said nothing: closed quietly, as an idle kept-alive connection is
                 self.end("header_timeout", None)
             else:
                 self.end("header_timeout", error_bytes(
@@ -305,7 +340,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def shed(self) -> None:
         """Closed to make room: a client in the middle of a request hears why; an idle one is closed quietly."""
-        quiet = self.phase == IDLE or (self.phase == HEAD and self._head_bytes == 0)
+        quiet = self.phase == IDLE or (self.phase == HEAD and self._head.bytes == 0)
         self.end("evicted", None if quiet else error_bytes(
             503, "the server has too many open connections; this one was waiting on its client",
             "too_many_connections", type="service_unavailable", extra="retry-after: 1\r\n"))

@@ -15,6 +15,7 @@ from specserve.server.transport import (
     ACCEPT_BURST,
     BoundedListener,
     ConnectionBook,
+    HeadScan,
     TransportLimits,
     default_max_connections,
     error_bytes,
@@ -117,7 +118,7 @@ def test_book_never_sheds_a_connection_that_just_began_waiting():
     old, new = _Conn(book, "old"), _Conn(book, "new")
     book.admit(old)
     book.sending(old)
-    clock.now += 0.1  # its head is still arriving, as a normal client's may be
+    clock.now += 0.01  # accepted a moment ago: not read yet
     assert not book.admit(new) and old.shed_count == 0
     book.closing(new, "refused", linger=False)  # what the protocol does with a refused connection
     clock.now += 1.0
@@ -180,3 +181,24 @@ def test_error_bytes_is_a_whole_response_in_openai_shape():
     assert f"content-length: {len(body)}".encode() in head and b"connection: close" in head
     assert body == (b'{"error": {"message": "too many", "type": "invalid_request_error", "param": "headers", '
                     b'"code": "request_header_fields_too_large"}}')
+
+
+HEADS = [b"GET / HTTP/1.1\r\nhost: x\r\na: b\r\n\r\n{\"body\": 1}", b"GET / HTTP/1.1\nhost: x\n\nGET / HTTP/1.1\r\n",
+         b"\r\n\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n", b"GET / HTTP/1.1\r\nhost: x\r\nb: c\r\n"]
+# (bytes up to the head's end, header lines); the last head is not complete
+COUNTS = [(len(b"GET / HTTP/1.1\r\nhost: x\r\na: b\r\n\r\n"), 2), (len(b"GET / HTTP/1.1\nhost: x\n\n"), 1),
+          (len(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"), 1), (len(HEADS[3]), 2)]
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
+def test_head_scan_counts_a_head_in_any_pieces(piece):
+    for head, (size, headers) in zip(HEADS, COUNTS):
+        scan = HeadScan()
+        for i in range(0, len(head), piece):
+            got = scan.feed(head[i:i + piece])
+        assert (scan.bytes, got) == (size, headers), (head, piece)
+
+
+def test_head_scan_counts_a_flood_before_its_end():
+    scan = HeadScan()
+    assert scan.feed(b"GET / HTTP/1.1\r\n" + b"x: y\r\n" * 150) == 150  # no end yet: every line counts
