@@ -10,8 +10,15 @@ from specserve.engine.model.attention import _manual_attention
 from specserve.engine.model.cpu_kernels import build, ops
 from specserve.engine.model.quantize import Int4Linear, int4_codes
 
-lib = build.load()
-pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler to build the CPU kernels")
+LEVELS = build.runnable_levels() if build.compiler() else []
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def lib(request):
+    """The kernels built for each level this CPU executes, not only its own (portable C, x86-64-v3, v4, ..., native):
+    every test that takes `lib` runs at each."""
+    return build.open_library(build.level_library(build.compiler(), request.param))
 
 
 def q4_weights(n: int, k: int, seed: int = 0):
@@ -28,7 +35,7 @@ def test_q4_packing_round_trips():
     assert torch.equal(back[0], codes) and torch.equal(back[1], scales) and torch.equal(back[2], minima)
 
 
-def test_q4_linear_is_the_dequantized_product_row_by_row():
+def test_q4_linear_is_the_dequantized_product_row_by_row(lib):
     packed, _, dense = q4_weights(80, 96)
     bias = torch.randn(80)
     x = torch.randn(9, 96)  # 9 rows: two blocks of four and a remainder
@@ -40,12 +47,12 @@ def test_q4_linear_is_the_dequantized_product_row_by_row():
         assert torch.equal(ops.q4_linear(lib, x[r:r + 1], *packed, bias)[0], y[r])
 
 
-def with_amx(on: bool) -> bool:
+def with_amx(lib, on: bool) -> bool:
     """Switch the process's AMX use (the library's state); -> whether it is on."""
     return bool(lib.specserve_amx(int(on)))
 
 
-def test_a_bf16_models_int4_product_is_the_same_bit_for_bit_at_every_row_count_tiles_or_not():
+def test_a_bf16_models_int4_product_is_the_same_bit_for_bit_at_every_row_count_tiles_or_not(lib):
     """A bf16 model's int4 product rounds its activations to bf16; where the CPU has AMX, calls of AMX_MIN_ROWS rows
     or more run on its tiles and smaller ones on multiply-adds that repeat the tiles' arithmetic: every row's result
     is bit for bit the same in a call of 1, 3, 7 or 20 rows (tile chunks of 16 and 4), tiles on or off, so a bf16
@@ -59,7 +66,7 @@ def test_a_bf16_models_int4_product_is_the_same_bit_for_bit_at_every_row_count_t
     results = []
     try:
         for amx in (True, False):
-            if with_amx(amx) != amx:
+            if with_amx(lib, amx) != amx:
                 continue  # no AMX here: the twin alone
             y = ops.q4_linear_bf16_products(lib, x, *packed, bias)
             assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
@@ -69,14 +76,14 @@ def test_a_bf16_models_int4_product_is_the_same_bit_for_bit_at_every_row_count_t
                     assert torch.equal(part, y[r0:r0 + width]), (amx, width, r0)
             results.append(y)
     finally:
-        with_amx(was)
+        with_amx(lib, was)
     assert all(torch.equal(y, results[0]) for y in results)
     xb = x.bfloat16()  # the bf16 entry point (a bf16 model's activations) computes the same, then rounds it
     assert torch.equal(ops.q4_linear(lib, xb, *packed, bias), ops.q4_linear_bf16_products(lib, xb.float(), *packed,
                                                                                            bias).bfloat16())
 
 
-def test_int4_linear_on_the_kernels_applies_its_dequantized_weight():
+def test_int4_linear_on_the_kernels_applies_its_dequantized_weight(lib):
     linear = torch.nn.Linear(64, 48)
     layer = Int4Linear(linear, torch.float32, kernels=lib)
     assert layer.kernels is lib and not hasattr(layer, "packed")
@@ -87,7 +94,7 @@ def test_int4_linear_on_the_kernels_applies_its_dequantized_weight():
     assert torch.allclose(Int4Linear(linear, torch.float32).dequantized(), layer.dequantized(), atol=1e-6)
 
 
-def test_q4_linear_refuses_what_does_not_fit():
+def test_q4_linear_refuses_what_does_not_fit(lib):
     packed, _, _ = q4_weights(32, 64)
     with pytest.raises(ValueError, match="q4_linear"):
         ops.q4_linear(lib, torch.randn(2, 32), *packed, None)
@@ -113,7 +120,7 @@ def test_q8_codes_are_recovered_exactly_or_not_at_all():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_linear_is_the_product_row_by_row(dtype):
+def test_q8_linear_is_the_product_row_by_row(lib, dtype):
     codes, scales, weight = q8_weights(64, 96)
     packed = ops.pack_q8(codes, scales)
     x = torch.randn(6, 96).to(dtype)
@@ -143,7 +150,7 @@ def attention_case(dtype, batch=3, q_max=4, length=40, heads=6, kv_heads=2, head
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(6, 2, 16), (9, 3, 64), (14, 2, 128), (4, 4, 64)])
-def test_attention_is_masked_softmax_attention_over_the_pool(dtype, heads, kv_heads, head_dim):
+def test_attention_is_masked_softmax_attention_over_the_pool(lib, dtype, heads, kv_heads, head_dim):
     """Any head size (64 and 128 have a register path: query heads 4 at a time, here 3, 4 + 3 and 1 a group)."""
     q, k_rows, v_rows, kv_heads, slots, mask, ref = attention_case(dtype, heads=heads, kv_heads=kv_heads,
                                                                    head_dim=head_dim)
@@ -162,7 +169,7 @@ def test_attention_is_masked_softmax_attention_over_the_pool(dtype, heads, kv_he
     assert bool((part[others] == 7.0).all())
 
 
-def test_bf16_rows_are_read_exactly_and_rounded_to_nearest_even():
+def test_bf16_rows_are_read_exactly_and_rounded_to_nearest_even(lib):
     """bf16 in and out of the kernels (16 at a time on AVX-512, one at a time for the rest): the same attention over
     bf16 inputs, computed with fp32 inputs holding the same values, rounds to exactly torch's bf16 of its result."""
     q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.bfloat16, head_dim=24)  # 16 + a tail
@@ -173,7 +180,7 @@ def test_bf16_rows_are_read_exactly_and_rounded_to_nearest_even():
     assert torch.equal(out, wide.bfloat16())
 
 
-def test_attention_refuses_unsupported_layouts():
+def test_attention_refuses_unsupported_layouts(lib):
     q, k_rows, v_rows, kv_heads, slots, mask, _ = attention_case(torch.float32)
     rows = torch.arange(q.shape[0])
     with pytest.raises(ValueError, match="attention kernel"):
@@ -239,7 +246,7 @@ def test_without_a_compiler_a_library_built_ahead_for_the_cpus_level_is_used(mon
         build.load.cache_clear()
 
 
-def test_bf16_linear_is_the_product_of_bf16_activations_row_by_row():
+def test_bf16_linear_is_the_product_of_bf16_activations_row_by_row(lib):
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 96, generator=g).bfloat16()
     bias = torch.randn(40, generator=g)
@@ -251,3 +258,35 @@ def test_bf16_linear_is_the_product_of_bf16_activations_row_by_row():
         assert torch.equal(ops.bf16_linear(lib, x[r:r + 1], weight, bias)[0], y[r])
     with pytest.raises(ValueError, match="bf16_linear"):
         ops.bf16_linear(lib, x, weight.float(), bias)
+
+
+def test_a_level_is_forced_by_env_and_an_unknown_one_is_a_warning(monkeypatch, caplog):
+    try:
+        if "x86-64-v3" in LEVELS:
+            build.load.cache_clear()
+            monkeypatch.setenv(build.ENV_LEVEL, "x86-64-v3")
+            forced = build.load()
+            assert forced is not None and forced.specserve_kernels_avx512() == 0
+        build.load.cache_clear()
+        monkeypatch.setenv(build.ENV_LEVEL, "x86-64-v9")
+        with caplog.at_level(logging.WARNING, logger="specserve.engine"):
+            assert build.load() is None
+        assert "SPECSERVE_CPU_LEVEL=x86-64-v9: not a level this CPU runs" in caplog.text
+    finally:
+        build.load.cache_clear()
+
+
+def test_a_library_of_another_source_or_layout_is_refused(tmp_path):
+    other = tmp_path / "kernels.c"
+    other.write_text(build.SOURCE.read_text().replace(
+        f"int specserve_kernels_version(void) {{ return {build.VERSION}; }}",
+        f"int specserve_kernels_version(void) {{ return {build.VERSION + 1}; }}"))
+    build.build(build.compiler(), tmp_path / "other.so", source=other)
+    with pytest.raises(RuntimeError, match="not built from this kernels.c"):
+        build.open_library(tmp_path / "other.so")
+    moved = tmp_path / "moved.c"
+    moved.write_text(build.SOURCE.read_text().replace("    int64_t qmax, length, n;\n} QueryGroupView;",
+                                                      "    int64_t qmax, length, n, extra;\n} QueryGroupView;"))
+    build.build(build.compiler(), tmp_path / "moved.so", source=moved)
+    with pytest.raises(RuntimeError, match="QueryGroupView is 64 bytes there, 56 in ops.py"):
+        build.open_library(tmp_path / "moved.so")

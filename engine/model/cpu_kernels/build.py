@@ -1,8 +1,13 @@
 """Build kernels.c once per machine with its C compiler and load it with ctypes.
 
 The library is compiled for the CPU it runs on (`-march=native`) into $SPECSERVE_CACHE/kernels (default
-~/.cache/specserve/kernels), named by a hash of the source, the compiler's version and the CPU's flags, so a changed
-source, compiler or CPU builds again; a build takes about a second. Without a compiler, or where the build or cache
+~/.cache/specserve/kernels), named by a hash of the source, the compiler's version, the level and the CPU's flags, so
+a changed source, compiler or CPU builds again; a build takes about a second. `SPECSERVE_CPU_LEVEL` builds for a
+lower level instead (portable, x86-64-v3, x86-64-v4, x86-64-v4-bf16, x86-64-v4-amx: what a CPU of that kind would
+run, for benchmarks and tests); the kernel tests run every level this CPU can execute (`runnable_levels`). Plain C
+expressions are never contracted into fused multiply-adds (`-ffp-contract=off`): a level computes them as written,
+so levels differ only where their vector code does. A loaded library must report this source's version and struct
+layout. Without a compiler, or where the build or cache
 fails, `load()` returns None and says why once: the engine then runs torch's kernels (the same model, slower).
 `SPECSERVE_CPU_KERNELS=0` turns them off.
 
@@ -29,8 +34,10 @@ import torch  # noqa: F401  (loads torch's libgomp.so.1 first: the kernels then 
 log = logging.getLogger("specserve.engine")
 
 SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off"]
+VERSION = 9  # kernels.c's specserve_kernels_version: a library that says otherwise is not this source's
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
+ENV_LEVEL = "SPECSERVE_CPU_LEVEL"
 ENV_PREBUILT = "SPECSERVE_CPU_KERNELS_DIR"
 ENV_AMX = "SPECSERVE_CPU_AMX"  # 0: no AMX tiles (bf16 models' int4 products then run on AVX-512)
 # x86-64 feature levels a prebuilt library may target, best first, with the CPU flags each needs
@@ -38,7 +45,8 @@ V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 LEVELS = {"x86-64-v4-amx": V4 + ("avx512_bf16", "amx_tile", "amx_bf16"), "x86-64-v4-bf16": V4 + ("avx512_bf16",),
           "x86-64-v4": V4, "x86-64-v3": ("avx2", "fma", "bmi2", "f16c", "movbe")}
 MARCH = {"x86-64-v4-amx": ["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
-         "x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"]}  # otherwise -march=<level>
+         "x86-64-v4-bf16": ["-march=x86-64-v4", "-mavx512bf16"], "native": ["-march=native"]}  # else -march=<level>
+PORTABLE = {"x86_64": "x86-64", "AMD64": "x86-64", "aarch64": "armv8-a", "arm64": "armv8-a"}  # the plain C loops
 
 I64, F32, PTR, INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
@@ -71,11 +79,26 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _library_name(cc: str) -> str:
+def runnable_levels() -> list[str]:
+    """The levels this CPU can execute, lowest first, ending with native."""
+    levels = ["portable"] if platform.machine() in PORTABLE else []
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags = set(_cpu_flags().split())
+        levels += [level for level, needs in reversed(LEVELS.items()) if flags.issuperset(needs)]
+    return levels + ["native"]
+
+
+def _march(level: str) -> list[str]:
+    if level == "portable":
+        return [f"-march={PORTABLE[platform.machine()]}"]
+    return MARCH.get(level, [f"-march={level}"])
+
+
+def _library_name(cc: str, level: str = "native") -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
-                 platform.machine().encode()):
+                 platform.machine().encode(), level.encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"specserve_cpu_{digest.hexdigest()[:16]}.so"
@@ -103,7 +126,7 @@ def build(cc: str, target: Path, march: str = "native", source: Path | None = No
     half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-    flags = [g for f in FLAGS for g in ([f] if f != "-march=native" else MARCH.get(march, [f"-march={march}"]))]
+    flags = [g for f in FLAGS for g in ([f] if f != "-march=native" else _march(march))]
     try:
         done = subprocess.run([cc, *flags, str(source or SOURCE), "-o", str(partial), "-lm"], capture_output=True,
                               text=True, timeout=300)
@@ -122,6 +145,7 @@ def load() -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
         log.info("cpu kernels: not built for %s; torch's kernels run", platform.machine())
         return None
+    level = os.environ.get(ENV_LEVEL, "native").strip().lower() or "native"
     cc = compiler()
     target = None if cc is not None else _prebuilt()
     if cc is None and target is None:
@@ -130,19 +154,29 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         if target is None:
-            target = cache_root() / _library_name(cc)
-            if not target.exists():
-                build(cc, target)
+            if level not in runnable_levels():
+                raise RuntimeError(f"{ENV_LEVEL}={level}: not a level this CPU runs ({', '.join(runnable_levels())})")
+            target = level_library(cc, level)
         return open_library(target)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("cpu kernels: could not build or load them (%s); torch's kernels run", exc)
         return None
 
 
+def level_library(cc: str, level: str) -> Path:
+    """The cached library of kernels.c built for `level`, built first if it is not there."""
+    target = cache_root() / _library_name(cc, level)
+    if not target.exists():
+        build(cc, target, march=level)
+    return target
+
+
 def open_library(path: Path, strict: bool = True) -> ctypes.CDLL:
     """A built library with its functions typed, AMX tiles asked for unless $SPECSERVE_CPU_AMX is 0. Not `strict`
     (a bench's library built from an earlier kernels.c): functions it lacks are left out."""
     lib = ctypes.CDLL(str(path))
+    if strict:
+        check_library(lib, path)
     for name, args in SIGNATURES.items():
         if not strict and not hasattr(lib, name):
             continue
@@ -155,6 +189,21 @@ def open_library(path: Path, strict: bool = True) -> ctypes.CDLL:
     if os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "false", "no", "off"):
         lib.specserve_amx(1)  # asks Linux for the tile state once; 0 where the CPU, kernel or build lacks it
     return lib
+
+
+def check_library(lib: ctypes.CDLL, path: Path) -> None:
+    """A library from another source, or laid out otherwise than ops.py's structs, would read garbage: refuse it."""
+    from specserve.engine.model.cpu_kernels import ops  # ctypes and torch only
+
+    lib.specserve_kernels_version.restype = INT
+    if not hasattr(lib, "specserve_layout") or lib.specserve_kernels_version() != VERSION:
+        raise RuntimeError(f"{path.name}: not built from this kernels.c (version {lib.specserve_kernels_version()}, "
+                           f"expected {VERSION})")
+    lib.specserve_layout.argtypes, lib.specserve_layout.restype = [INT], I64
+    for i, struct in enumerate((ops.Q4Weights, ops.LayerWeights, ops.QueryGroupView, ops.ForwardView)):
+        if lib.specserve_layout(i) != ctypes.sizeof(struct):
+            raise RuntimeError(f"{path.name}: {struct.__name__} is {lib.specserve_layout(i)} bytes there, "
+                               f"{ctypes.sizeof(struct)} in ops.py")
 
 
 def for_device(device) -> ctypes.CDLL | None:

@@ -89,7 +89,7 @@ static void store_row(const float *src, int dtype, int64_t n, void *dst) {
     for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
 }
 
-int specserve_kernels_version(void) { return 8; }
+int specserve_kernels_version(void) { return 9; }
 
 int specserve_kernels_avx512(void) {
 #ifdef SPECSERVE_AVX512
@@ -1040,4 +1040,16 @@ void specserve_llama_stack(const LayerWeights *const *layers, int64_t n, const F
         specserve_llama_layer(layers[i], f, k_pools[i], v_pools[i], in, out);
     }
     free(between);
+}
+
+/* The structs' sizes as this build lays them out (ops.py's ctypes twins must match): Q4Weights, LayerWeights,
+ * QueryGroupView, ForwardView; -1 for another index. */
+int64_t specserve_layout(int which) {
+    switch (which) {
+    case 0: return (int64_t)sizeof(Q4Weights);
+    case 1: return (int64_t)sizeof(LayerWeights);
+    case 2: return (int64_t)sizeof(QueryGroupView);
+    case 3: return (int64_t)sizeof(ForwardView);
+    default: return -1;
+    }
 }
