@@ -29,17 +29,17 @@ import time
 from bench.output import emit
 
 
-def build_pair(quantization: str, method: str):
+def build_pair(quantization: str, method: str, **kw):
     from specserve.engine import LLM
     from specserve.engine.model.cpu_kernels import build
 
-    with_kernels = LLM(quantization=quantization, speculative_method=method)
+    with_kernels = LLM(quantization=quantization, speculative_method=method, **kw)
     if with_kernels.engine.target.kernels is None:
         raise SystemExit("the CPU kernels could not be built here (see the warning above); nothing to compare")
     build.load.cache_clear()
     os.environ[build.ENV_SWITCH] = "0"
     try:
-        without = LLM(quantization=quantization, speculative_method=method)
+        without = LLM(quantization=quantization, speculative_method=method, **kw)
     finally:
         del os.environ[build.ENV_SWITCH]
         build.load.cache_clear()
@@ -83,39 +83,41 @@ class WithLibrary:
                 h.kernels = lib
 
 
-def source_pair(quantization: str, method: str, source: str):
+def source_pair(quantization: str, method: str, source: str, **kw):
     import tempfile
     from pathlib import Path
 
     from specserve.engine import LLM
     from specserve.engine.model.cpu_kernels import build
 
-    llm = LLM(quantization=quantization, speculative_method=method)
+    llm = LLM(quantization=quantization, speculative_method=method, **kw)
     cc = build.compiler()
     if llm.engine.target.kernels is None or cc is None:
         raise SystemExit("the CPU kernels could not be built here; nothing to compare")
     target = Path(tempfile.mkdtemp(prefix="specserve-kernels-")) / "other.so"
-    build.build(cc, target, source=Path(source))
+    # the level this process's own library was built for (SPECSERVE_CPU_LEVEL), so both sides run the same ISA
+    build.build(cc, target, march=os.environ.get(build.ENV_LEVEL, "native").strip().lower() or "native",
+                source=Path(source))
     return llm, WithLibrary(llm, build.open_library(target, strict=False))
 
 
-def amx_pair(quantization: str, method: str):
+def amx_pair(quantization: str, method: str, **kw):
     from specserve.engine import LLM
     from specserve.engine.model.cpu_kernels import ops
 
-    llm = LLM(quantization=quantization, speculative_method=method)
+    llm = LLM(quantization=quantization, speculative_method=method, **kw)
     lib = llm.engine.target.kernels
     if lib is None or not ops.amx(lib):
         raise SystemExit("no AMX tiles here (CPU, kernel, build or SPECSERVE_CPU_AMX=0); nothing to compare")
     return llm, Switched(llm, lambda: lib.specserve_amx(0), lambda: lib.specserve_amx(1))
 
 
-def direct_pair(quantization: str, method: str):
+def direct_pair(quantization: str, method: str, **kw):
     """The direct forward (engine/model/native_forward.py) against transformers' forward around the same decoder call
     (the runner's direct path off for the baseline's calls)."""
     from specserve.engine import LLM
 
-    llm = LLM(quantization=quantization, speculative_method=method)
+    llm = LLM(quantization=quantization, speculative_method=method, **kw)
     runner = llm.engine.target
     direct = runner.native
     if direct is None:
@@ -124,17 +126,17 @@ def direct_pair(quantization: str, method: str):
 
 
 def measure(quantization: str, method: str, concurrency: list[int], max_tokens: int, rounds: int,
-            against: str = "torch") -> list[dict]:
+            against: str = "torch", **kw) -> list[dict]:
     from bench.adaptive import batches
     from bench.prompts import heldout_prompts
     from specserve.engine import SamplingParams
 
     if against.startswith("source:"):
-        engines = source_pair(quantization, method, against.split(":", 1)[1])
+        engines = source_pair(quantization, method, against.split(":", 1)[1], **kw)
     elif against == "transformers":
-        engines = direct_pair(quantization, method)
+        engines = direct_pair(quantization, method, **kw)
     else:
-        engines = amx_pair(quantization, method) if against == "no-amx" else build_pair(quantization, method)
+        engines = amx_pair(quantization, method, **kw) if against == "no-amx" else build_pair(quantization, method, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     for c in concurrency:
@@ -167,6 +169,7 @@ def measure(quantization: str, method: str, concurrency: list[int], max_tokens: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cpu_kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="auto", help="the engines' dtype (auto: bf16 where the CPU has it natively)")
     ap.add_argument("--methods", default="none,eagle3")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--against: torch, no-amx, transformers or source:FILE.c")
     cs = [int(c) for c in args.concurrency.split(",")]
     rows = [row for m in args.methods.split(",") for row in measure(args.quantization, m, cs, args.max_tokens,
-                                                                     args.rounds, args.against)]
+                                                                     args.rounds, args.against, dtype=args.dtype)]
     import torch
 
     from bench.spec_decode import machine_info
@@ -193,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['method']} | {r['concurrency']} | {r['kernels_tokens_per_s']:.1f} | "
                      f"{r['baseline_tokens_per_s']:.1f} | {r['ratio_median']:.2f}x ({r['ratio_min']:.2f}-"
                      f"{r['ratio_max']:.2f}) | {r['identical_requests']}/{r['requests']} |")
-    emit({"quantization": args.quantization, "max_tokens": args.max_tokens, "rows": rows,
+    from specserve.engine.model.cpu_kernels import build
+
+    emit({"quantization": args.quantization, "dtype": args.dtype, "cpu_level": os.environ.get(build.ENV_LEVEL, "native"),
+          "max_tokens": args.max_tokens, "rows": rows,
           "machine": machine_info(torch.device("cpu"))}, args.out, "\n".join(lines))
     return 0
 

@@ -11,6 +11,7 @@ Prints JSON (stdout or --out) and a markdown table (stderr). Nothing else should
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -32,7 +33,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.quantized", description=__doc__.splitlines()[0])
     ap.add_argument("--quantizations", default="none,int8,int4",
-                    help="none | int8 | int4, each optionally :N for --quantization-dense-rows N (e.g. int4:16)")
+                    help="none | int8 | int4 | auto, each optionally :N for --quantization-dense-rows N (e.g. int4:16) "
+                         "and @DTYPE for its own dtype (e.g. int4@float32,int4@bfloat16)")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU computes it natively, else fp32")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per setting at least (c per generate() call)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -43,9 +46,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     quants = [q.strip() for q in args.quantizations.split(",") if q.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    engines = {q: LLM(quantization=None if q.startswith("none") else q.partition(":")[0],
-                      quantization_dense_rows=int(q.partition(":")[2] or 0), max_num_seqs=max(levels),
-                      seed=args.seed, kv_cache_memory=512 << 20) for q in quants}
+    engines = {}
+    for q in quants:  # "int4:16@float32": int4, dense copies from 16 rows, fp32 activations
+        name, _, dtype = q.partition("@")
+        engines[q] = LLM(quantization=None if name.startswith("none") else name.partition(":")[0],
+                         quantization_dense_rows=int(name.partition(":")[2] or 0), max_num_seqs=max(levels),
+                         seed=args.seed, kv_cache_memory=512 << 20, dtype=dtype or args.dtype)
     first = engines[quants[0]]
     method = first.engine.default_method
 
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[bench] {c} streams done", file=sys.stderr)
     sizes = {q: weight_bytes(llm.engine.target.model) for q, llm in engines.items()}
     report = {"benchmark": "quantized", "machine": machine_info(first.engine.device), "args": vars(args),
-              "dtype": str(first.engine.dtype), "weight_bytes": sizes, "results": results}
+              "cpu_level": os.environ.get("SPECSERVE_CPU_LEVEL", "native"),
+              "dtypes": {q: str(llm.engine.dtype) for q, llm in engines.items()}, "weight_bytes": sizes, "results": results}
     lines = [f"| quantization | method | streams | tokens/s | × {quants[0]} plain |", "|---|---|---|---|---|"]
     lines += [f"| {r['quantization']} | {r['method']} | {r['concurrency']} | {r['tokens_per_s']} | "
               f"{r['over_unquantized_plain']}× |" for r in results]

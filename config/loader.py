@@ -65,7 +65,8 @@ HELP: dict[str, tuple[str, str | None]] = {
               None),
     "device": ("auto (cuda when present) | cpu | cuda[:N]", None),
     "quantization": ("weight-only quantized linear layers on CPU: auto (a GGUF target whose decoder weights are all "
-                     "Q4_1 keeps them as int4 in bf16/fp16; anything else: none) | int8 (per-channel) | int4 (groups "
+                     "Q4_1 keeps them as int4: in bf16/fp16, and in fp32 where the CPU kernels run; anything else: "
+                     "none) | int8 (per-channel) | int4 (groups "
                      "of 32) | none (the dtype's weights)", None),
     "quantization_dense_rows": ("with --quantization: forwards of at least this many token rows (wide verify or "
                                 "batched steps, where the packed kernels are slower than a dense matmul) run a "

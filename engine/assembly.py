@@ -15,6 +15,8 @@ from specserve.config.schema import EngineConfig
 from specserve.engine.admission import RequestBuilder
 from specserve.engine.model.attention import PATTERN_ATTR
 from specserve.engine.model.compile import compile_model
+from specserve.engine.model.fast_layers import prefill_chunk_limit
+from specserve.engine.model.cpu_kernels import build as cpu_kernels
 from specserve.engine.model.loader import (
     check_model_path,
     default_kv_cache_memory,
@@ -87,7 +89,8 @@ def _assemble(config: EngineConfig, cost_source: CostSource | None, started: lis
     tokenizer = load_tokenizer(target_path, remote)
     if config.chat_template:
         tokenizer.chat_template = resolve_chat_template(config.chat_template)
-    quantization = resolve_quantization(config.quantization, target_path, device, dtype)
+    kernels = not config.enable_torch_compile and cpu_kernels.for_device(device) is not None
+    quantization = resolve_quantization(config.quantization, target_path, device, dtype, kernels)
     if config.quantization == "auto" and quantization is not None:
         log.info("quantization auto: %s keeps its 4-bit weights (%s)", target_path, quantization)
     sharded = None
@@ -135,7 +138,8 @@ def _assemble(config: EngineConfig, cost_source: CostSource | None, started: lis
     compiled = config.enable_torch_compile and compile_model(target, device)
     runner.stable_shapes = compiled
     scheduler = Scheduler(allocator, config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                          {n: p.needs.prefix_kv for n, p in router.kv_proposers.items()})
+                          {n: p.needs.prefix_kv for n, p in router.kv_proposers.items()},
+                          prefill_chunk_limit(target))
     seed = config.seed if config.seed is not None else random.randrange(1 << 62)
     generator = torch.Generator(device=device).manual_seed(seed)
     eos_token_ids = eos_ids(target, tokenizer)

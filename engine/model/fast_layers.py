@@ -286,6 +286,19 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, position_id
     return hidden_states + self.mlp.down_proj(F.silu(gate) * up)
 
 
+def prefill_chunk_limit(model: nn.Module) -> int | None:
+    """NATIVE_QUERY where the model's decoder layers run whole on the kernels, else None. The scheduler cuts prompts
+    into chunks no wider, so every forward runs the same per-row arithmetic: a longer chunk would send its whole
+    forward, batch-mates' decode rows included, down the op-by-op path (other rounding), and a row's logits would
+    depend on what shares its step. Cost: on an AVX2 CPU (fp32) a 2.9k-token prompt's prefill took ~1.1x longer in
+    chunks of 256 than in one of 2,048 op by op; on AVX-512 (bf16) the same (docs/benchmarks.md)."""
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        return None
+    return NATIVE_QUERY if layers and all(getattr(layer, "specserve_native", None) for layer in layers) else None
+
+
 def speed_up_layers(model: nn.Module, kernels=None) -> int:
     """Install the faster forwards on every decoder layer that fits; -> how many. `kernels`: also dense bf16
     layers (int4 layers carry their own)."""

@@ -62,14 +62,16 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 
 def resolve_quantization(requested: str | None, path: str | os.PathLike, device: torch.device,
-                         dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """`auto`: a GGUF target on CPU, in bf16/fp16, whose decoder weights (the blk.* matrices) are all Q4_1 runs them as
-    int4 — the file's own codes, scales and minima (engine/model/quantize.py), the model the user gave and the
-    fastest mode measured on CPU (docs/benchmarks.md); anything else loads in the dtype (in fp32 the int4 kernel was
-    far slower than the dequantised model). Other values pass through."""
+                         dtype: torch.dtype = torch.bfloat16, kernels: bool = False) -> str | None:
+    """`auto`: a GGUF target on CPU whose decoder weights (the blk.* matrices) are all Q4_1 runs them as int4 — the
+    file's own codes, scales and minima (engine/model/quantize.py), the model the user gave — in bf16/fp16, and in
+    fp32 where the engine's CPU kernels run (`kernels`): measured the fastest mode at every level and load on CPU
+    (docs/benchmarks.md, "auto by measurement": fp32 int4 on the kernels 7-11x the dense fp32 copy at one stream,
+    2.1-2.6x at 16, AVX2 and AVX-512 alike). fp32 without the kernels (torch's int4 path) and anything else load in
+    the dtype. Other values pass through."""
     if requested != "auto":
         return requested
-    if device.type != "cpu" or dtype == torch.float32 or not is_gguf(path):
+    if device.type != "cpu" or (dtype == torch.float32 and not kernels) or not is_gguf(path):
         return None
     return "int4" if gguf_cache.decoder_tensor_types(path) == {"Q4_1"} else None
 
@@ -138,7 +140,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype, device: torch.device
     if quantization is not None:
         kernels = for_device(device) if cpu_kernels else None
         quantize_linears(model, quantization, dtype, dense_from_rows=dense_from_rows, kernels=kernels)
-        keep_q8_head(model, kernels)  # a GGUF's Q8_0 head stays 8-bit on the CPU kernels
+        keep_q8_head(model, kernels, dtype)  # a GGUF's Q8_0 head stays 8-bit on the CPU kernels
         model = model.to(dtype)  # the rest (embeddings, norms, the head); int codes keep their dtype
         release_freed_memory()  # the fp32 weights it was quantized from
         speed_up_layers(model)  # Llama-structured layers on the kernels: one call a layer, fused projections

@@ -55,15 +55,18 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, proposer_kv: dict[str, str] | None = None):
+                 max_model_len: int, proposer_kv: dict[str, str] | None = None,
+                 max_prefill_chunk: int | None = None):
         """proposer_kv: method -> how its per-position KV is made: "own" (it catches up by itself, as a draft model
         does: a hit is used whole) or "target" (from the target's forward, as DFlash's context: a hit stops where
-        the method's KV is missing, so that the target recomputes those positions)."""
+        the method's KV is missing, so that the target recomputes those positions). max_prefill_chunk: the widest
+        prompt chunk a step computes (fast_layers.prefill_chunk_limit), None: the token budget alone."""
         self.allocator = allocator
         self.proposer_kv = dict(proposer_kv or {})
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_prefill_chunk = max_prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -110,7 +113,7 @@ class Scheduler:
                 k = self.choose_k(req, budget)
                 n = 1 + k
             else:  # (chunked) prefill, also after a preemption
-                k, n = 0, min(missing, budget)
+                k, n = 0, min(missing, budget, self.max_prefill_chunk)
             while not self._ensure_blocks(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -143,7 +146,7 @@ class Scheduler:
         whole = len(hit) * bs >= total  # the last token is recomputed, into a private copy of the last block
         start = total - 1 if whole else len(hit) * bs
         shared = hit[:-1] if whole else hit
-        n = min(total - start, budget)
+        n = min(total - start, budget, self.max_prefill_chunk)
         new = self.allocator.blocks_for(start + n) - len(shared)
         if new + self.allocator.num_unreferenced(hit) > self.allocator.num_free:
             return 0

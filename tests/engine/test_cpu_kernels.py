@@ -82,7 +82,7 @@ def three_forwards(core, monkeypatch, first: int = 5) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("first", [5, SHORT_QUERY + 20])  # a prefill chunk in the short group, one past it
-def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch, first):
+def test_the_fused_and_lean_layers_compute_the_hf_layer(tiny, monkeypatch, first, kernel_level):
     fused, lean, hf = three_forwards(make_core(tiny["llama"], quantization="int4"), monkeypatch, first)
     assert torch.allclose(lean, hf, atol=1e-5, rtol=1e-5)
     assert torch.allclose(fused, hf, atol=1e-4, rtol=1e-4)
@@ -113,7 +113,7 @@ def test_a_bf16_llama_runs_its_dense_layers_fused(tiny, monkeypatch):
     assert len(run(core, PROMPTS[:2], GREEDY)[0].output_token_ids) == GREEDY.max_tokens
 
 
-def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny, monkeypatch):
+def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny, monkeypatch, kernel_level):
     """fp32: every decode and verify forward runs the decoder as one kernel call, without transformers' model code
     (trees through their query groups' masks)."""
     expected = [o.output_token_ids for o in run(make_core(tiny["llama"], quantization="int4"), PROMPTS, GREEDY)]
@@ -132,7 +132,7 @@ def test_speculation_is_exact_on_the_kernels_with_chains_and_trees(tiny, monkeyp
         assert any(ran)  # token trees (n-gram branches) / chains (the draft model's) took the direct path
 
 
-def test_bf16_int4_speculation_keeps_plain_greedy_output_on_the_kernels(tiny):
+def test_bf16_int4_speculation_keeps_plain_greedy_output_on_the_kernels(tiny, kernel_level):
     """bf16: an int4 product's rows come out bit for bit the same at any row count (AMX tiles from AMX_MIN_ROWS rows
     where the CPU has them, their twin on multiply-adds below), so greedy speculation with wide verify forwards
     (chains of 6: 7 rows a sequence) still emits plain decoding's tokens."""

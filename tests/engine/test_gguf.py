@@ -107,6 +107,9 @@ def test_broken_gguf_file_is_a_clear_error(tmp_path):
 def test_auto_quantization_keeps_a_q4_1_files_own_weights_on_cpu_only(tiny):
     assert resolve_quantization("auto", GGUF, torch.device("cpu")) == "int4"  # 210 Q4_1 matrices under blk.*
     assert resolve_quantization("auto", GGUF, torch.device("cuda")) is None  # the packed kernels are CPU kernels
-    assert resolve_quantization("auto", GGUF, torch.device("cpu"), torch.float32) is None  # exactness runs dequantised
+    # fp32: int4 where the CPU kernels run (measured faster than the dense copy at every level and load), dense
+    # where only torch's int4 path would
+    assert resolve_quantization("auto", GGUF, torch.device("cpu"), torch.float32, kernels=True) == "int4"
+    assert resolve_quantization("auto", GGUF, torch.device("cpu"), torch.float32) is None
     assert resolve_quantization("auto", tiny["llama"], torch.device("cpu")) is None  # not a GGUF: the dtype
     assert resolve_quantization("int8", tiny["llama"], torch.device("cpu")) == "int8"  # explicit values pass

@@ -35,7 +35,7 @@ log = logging.getLogger("specserve.engine")
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off"]
-VERSION = 9  # kernels.c's specserve_kernels_version: a library that says otherwise is not this source's
+VERSION = 10  # kernels.c's specserve_kernels_version: a library that says otherwise is not this source's
 ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 ENV_LEVEL = "SPECSERVE_CPU_LEVEL"
 ENV_PREBUILT = "SPECSERVE_CPU_KERNELS_DIR"

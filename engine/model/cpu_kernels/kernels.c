@@ -25,6 +25,12 @@
 #include <unistd.h>
 #define SPECSERVE_AMX 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+/* x86-64-v3 (AMD Zen 1-3, Intel client parts, many cloud VMs): 8-lane versions of the int4 and Q8_0 products and the
+ * exponential; a block of 16 outputs is computed as two halves of 8 lanes in turn (16 ymm registers hold a half's
+ * accumulators for 4 rows, not a whole block's) */
+#include <immintrin.h>
+#define SPECSERVE_AVX2 1
 #endif
 
 #define GROUP 32
@@ -64,6 +70,11 @@ static void load_row(const void *src, int dtype, int64_t n, float *dst) {
         const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + i)));
         _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
     }
+#elif defined(SPECSERVE_AVX2)
+    for (; i + 8 <= n; i += 8) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+    }
 #endif
     for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
 }
@@ -89,7 +100,7 @@ static void store_row(const float *src, int dtype, int64_t n, void *dst) {
     for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
 }
 
-int specserve_kernels_version(void) { return 9; }
+int specserve_kernels_version(void) { return 10; }
 
 int specserve_kernels_avx512(void) {
 #ifdef SPECSERVE_AVX512
@@ -138,6 +149,39 @@ static inline __attribute__((always_inline)) void q4_block(const uint8_t *w, con
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
+#elif defined(SPECSERVE_AVX2)
+    /* per lane two chains (the low nibbles' products, the high ones'), where AVX-512 has four: 4 rows x 3 vectors and
+     * the codes fit the 16 registers */
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int half = 0; half < 2; half++) {
+        __m256 total[ROW_BLOCK];
+        for (int r = 0; r < rows; r++) total[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            __m256 lo_sum[ROW_BLOCK], hi_sum[ROW_BLOCK];
+            for (int r = 0; r < rows; r++) lo_sum[r] = hi_sum[r] = _mm256_setzero_ps();
+            const uint8_t *wg = w + g * (GROUP / 2) * 16 + 8 * half;
+            if (!half)
+                for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)wg + 2048 + line, _MM_HINT_T0);
+#pragma GCC unroll 4
+            for (int p = 0; p < GROUP / 2; p++) {
+                const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + p * 16)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, low4));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+                for (int r = 0; r < rows; r++) {
+                    const float *x = xs + r * K + g * GROUP + 2 * p;
+                    lo_sum[r] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(x), lo_sum[r]);
+                    hi_sum[r] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(x + 1), hi_sum[r]);
+                }
+            }
+            const __m256 sc = _mm256_loadu_ps(scales + g * 16 + 8 * half);
+            const __m256 mn = _mm256_loadu_ps(minima + g * 16 + 8 * half);
+            for (int r = 0; r < rows; r++) {
+                total[r] = _mm256_fmadd_ps(_mm256_add_ps(lo_sum[r], hi_sum[r]), sc, total[r]);
+                total[r] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(sums + r * G + g), total[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * N + 8 * half, total[r]);
+    }
 #else
     float total[ROW_BLOCK][16];
     for (int r = 0; r < rows; r++)
@@ -634,6 +678,33 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *w, cons
         for (int r = 0; r < rows; r++) total[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), sc, total[r]);
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * N, total[r]);
+#elif defined(SPECSERVE_AVX2)
+    for (int half = 0; half < 2; half++) { /* each lane's arithmetic as AVX-512's, 8 lanes at a time */
+        __m256 total[ROW_BLOCK];
+        for (int r = 0; r < rows; r++) total[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            __m256 even[ROW_BLOCK], odd[ROW_BLOCK];
+            for (int r = 0; r < rows; r++) even[r] = odd[r] = _mm256_setzero_ps();
+            const int8_t *wg = w + g * GROUP * 16 + 8 * half;
+            const float *xg = xs + g * GROUP;
+            if (!half)
+                for (int line = 0; line < GROUP * 16; line += 64)
+                    _mm_prefetch((const char *)wg + 4096 + line, _MM_HINT_T0);
+#pragma GCC unroll 4
+            for (int k = 0; k < GROUP; k += 2) {
+                const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wg + k * 16))));
+                const __m256 c1 =
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wg + k * 16 + 16))));
+                for (int r = 0; r < rows; r++) {
+                    even[r] = _mm256_fmadd_ps(c0, _mm256_broadcast_ss(xg + r * K + k), even[r]);
+                    odd[r] = _mm256_fmadd_ps(c1, _mm256_broadcast_ss(xg + r * K + k + 1), odd[r]);
+                }
+            }
+            const __m256 sc = _mm256_loadu_ps(scales + g * 16 + 8 * half);
+            for (int r = 0; r < rows; r++) total[r] = _mm256_fmadd_ps(_mm256_add_ps(even[r], odd[r]), sc, total[r]);
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * N + 8 * half, total[r]);
+    }
 #else
     float total[ROW_BLOCK][16];
     for (int r = 0; r < rows; r++)
@@ -771,6 +842,60 @@ static inline __attribute__((always_inline)) void values_heads(const float *p, c
     }
 #endif
 
+#ifdef SPECSERVE_AVX2
+/* 8 lanes: a key row is read once for up to 4 query heads (scores: each head's dot product in one chain), and the
+ * values once for up to 3 heads per 32 dimensions (12 accumulators in registers); D = 64 or 128 */
+static inline __m256 kv_chunk8(const char *row, int kv_dtype, int j) {
+    if (kv_dtype)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)row + j)), 16));
+    return _mm256_loadu_ps((const float *)row + 8 * j);
+}
+
+static inline float sum8(__m256 v) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 h = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+static inline __attribute__((always_inline)) void scores_heads8(const float *qv, const int NH, const int ND,
+                                                                const char *k_head, int64_t row_bytes, int kv_dtype,
+                                                                const int64_t *keys, int64_t count, float scale,
+                                                                int64_t L, float *scores) {
+    for (int64_t c = 0; c < count; c++) {
+        const char *row = k_head + keys[c] * row_bytes;
+        __m256 a[4];
+        for (int h = 0; h < NH; h++) a[h] = _mm256_setzero_ps();
+        for (int j = 0; j < ND; j++) {
+            const __m256 k = kv_chunk8(row, kv_dtype, j);
+            for (int h = 0; h < NH; h++) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qv + h * ND * 8 + 8 * j), k, a[h]);
+        }
+        for (int h = 0; h < NH; h++) scores[h * L + c] = sum8(a[h]) * scale;
+    }
+}
+
+static inline __attribute__((always_inline)) void values_heads8(const float *p, const int NH, const int ND,
+                                                                const char *v_head, int64_t row_bytes, int kv_dtype,
+                                                                const int64_t *keys, int64_t count, int64_t L,
+                                                                float *acc) {
+    for (int j0 = 0; j0 < ND; j0 += 4) {
+        __m256 sum[3][4];
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < 4; j++) sum[h][j] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < count; c++) {
+            const char *row = v_head + keys[c] * row_bytes;
+            for (int j = 0; j < 4; j++) {
+                const __m256 v = kv_chunk8(row, kv_dtype, j0 + j);
+                for (int h = 0; h < NH; h++)
+                    sum[h][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * L + c), v, sum[h][j]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + h * ND * 8 + 8 * (j0 + j), sum[h][j]);
+    }
+}
+#endif
+
 static int group_scores(const float *qv, int64_t group, int64_t D, const char *k_head, int64_t row_bytes,
                         int kv_dtype, const int64_t *keys, int64_t count, float scale, int64_t L, float *scores) {
 #ifdef SPECSERVE_AVX512
@@ -781,6 +906,20 @@ static int group_scores(const float *qv, int64_t group, int64_t D, const char *k
     scores_heads(qv + h0 * D, NH, ND, k_head, row_bytes, kv_dtype, keys, count, scale, L, scores + h0 * L)
         HEAD_CASES(SCORES)
 #undef SCORES
+    }
+    return 1;
+#elif defined(SPECSERVE_AVX2)
+    if (D != 64 && D != 128) return 0;
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+        const int64_t nh = group - h0 < 4 ? group - h0 : 4;
+#define SCORES8(NH, ND) \
+    scores_heads8(qv + h0 * D, NH, ND, k_head, row_bytes, kv_dtype, keys, count, scale, L, scores + h0 * L)
+        if (D == 64) {
+            if (nh == 1) SCORES8(1, 8); else if (nh == 2) SCORES8(2, 8); else if (nh == 3) SCORES8(3, 8); else SCORES8(4, 8);
+        } else {
+            if (nh == 1) SCORES8(1, 16); else if (nh == 2) SCORES8(2, 16); else if (nh == 3) SCORES8(3, 16); else SCORES8(4, 16);
+        }
+#undef SCORES8
     }
     return 1;
 #else
@@ -800,6 +939,19 @@ static int group_values(const float *scores, int64_t group, int64_t D, const cha
     values_heads(scores + h0 * L, NH, ND, v_head, row_bytes, kv_dtype, keys, count, L, acc + h0 * D)
         HEAD_CASES(VALUES)
 #undef VALUES
+    }
+    return 1;
+#elif defined(SPECSERVE_AVX2)
+    if (D != 64 && D != 128) return 0;
+    for (int64_t h0 = 0; h0 < group; h0 += 3) {
+        const int64_t nh = group - h0 < 3 ? group - h0 : 3;
+#define VALUES8(NH, ND) values_heads8(scores + h0 * L, NH, ND, v_head, row_bytes, kv_dtype, keys, count, L, acc + h0 * D)
+        if (D == 64) {
+            if (nh == 1) VALUES8(1, 8); else if (nh == 2) VALUES8(2, 8); else VALUES8(3, 8);
+        } else {
+            if (nh == 1) VALUES8(1, 16); else if (nh == 2) VALUES8(2, 16); else VALUES8(3, 16);
+        }
+#undef VALUES8
     }
     return 1;
 #else
@@ -937,6 +1089,23 @@ static inline __m512 exp_nonpositive16(__m512 x) { /* exp_nonpositive, 16 at a t
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
     return _mm512_maskz_scalef_ps((__mmask16)~tiny, p, n);
 }
+#elif defined(SPECSERVE_AVX2)
+static inline __m256 exp_nonpositive8(__m256 x) { /* exp_nonpositive, 8 at a time */
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504089f), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x));
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* 2^n from its exponent bits; below -87 (n < -125 possible) the lane is 0, as exp_nonpositive's */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
 #endif
 
 /* out = silu(gate) * up over n values (the down projection's input); relative error < 3e-7 against expf's */
@@ -950,6 +1119,15 @@ static void silu_mul(const float *gate, const float *up, int64_t n, float *out) 
         const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
         const __m512 s = _mm512_div_ps(_mm512_mask_blend_ps(positive, z, one), _mm512_add_ps(one, z));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(x, s), _mm512_loadu_ps(up + i)));
+    }
+#elif defined(SPECSERVE_AVX2)
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + i);
+        const __m256 z = exp_nonpositive8(_mm256_or_ps(x, sign)); /* -|x| */
+        const __m256 positive = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 s = _mm256_div_ps(_mm256_blendv_ps(z, one, positive), _mm256_add_ps(one, z));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(x, s), _mm256_loadu_ps(up + i)));
     }
 #endif
     for (; i < n; i++) out[i] = gate[i] * sigmoid(gate[i]) * up[i];
