@@ -44,6 +44,7 @@ from bench.soak import free_port
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # every peer runs without the network
+ISA_ENV = ("SPECSERVE_CPU_LEVEL", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def hf_copy_of_demo_target(dtype: str) -> Path:
@@ -83,6 +84,8 @@ def peer_commands(args, hf_dir: Path, port: int) -> dict[str, list[str]]:
     # the Q4_1 file runs its own 4-bit codes); "-default" runs the device's demo default method (n-gram lookup on
     # CPU, EAGLE-3 on a GPU: config.schema.demo_method), "-eagle3" / "-ngram" that method, all with auto k
     demo = spec[:spec.index("--model")] + ["--max-num-seqs", str(max(args.concurrency))]
+    if args.dtype != "auto":  # (what the engine's auto picks on another CPU kind, e.g. fp32 where bf16 is emulated)
+        demo += ["--dtype", args.dtype]
     cmds = {"specserve-plain": spec + ["--speculative-method", "none"],
             "specserve-k2": spec + ["--num-speculative-tokens", "2"],
             "specserve-auto": spec + ["--num-speculative-tokens", "auto"],
@@ -340,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) if args.only else default
     report = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "target_dir": str(hf_dir),
               "peers": [], "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                                       "cpus": os.cpu_count()}}
+                                       "cpus": os.cpu_count(),
+                                       # a level forced below the CPU's (SPECSERVE_CPU_LEVEL; torch's own ISA caps)
+                                       "env": {k: os.environ[k] for k in ISA_ENV if k in os.environ}}}
     runs: dict[str, list[dict]] = {name: [] for name in cmds if name in only}
     if args.interleave:
         runs = run_interleaved(list(runs), args, hf_dir)

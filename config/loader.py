@@ -17,7 +17,8 @@ from specserve.config.schema import AppConfig, EngineConfig, ServerConfig, parse
 ENV_PREFIX = "SPECSERVE_"
 ENV_CONFIG = "SPECSERVE_CONFIG"
 ENV_OTHER = frozenset({ENV_CONFIG, "SPECSERVE_MODELS_DIR", "SPECSERVE_CACHE", "SPECSERVE_CPU_KERNELS",
-                       "SPECSERVE_CPU_KERNELS_DIR"})  # read elsewhere, not config fields
+                       "SPECSERVE_CPU_KERNELS_DIR", "SPECSERVE_CPU_LEVEL", "SPECSERVE_CPU_AMX",
+                       "SPECSERVE_CPU_SANITIZE"})  # read elsewhere (the CPU kernels' build.py), not config fields
 # (SPECSERVE_CACHE: where `specserve train` keeps checkpoints and teacher stores, and small GGUF files their
 # converted copies: engine/model/gguf_cache.py)
 SECTIONS = (EngineConfig, ServerConfig)

@@ -254,3 +254,19 @@ def test_the_demo_default_method_follows_the_device():
     assert EngineConfig(draft_model="d", device="cpu").method == "draft"
     assert EngineConfig(device="cpu", speculative_method="eagle3").method == "eagle3"
     assert EngineConfig(device="cpu", num_speculative_tokens=0).method == "none"
+
+
+def test_the_cpu_kernels_switches_are_accepted_beside_the_settings():
+    """SPECSERVE_CPU_LEVEL and the kernels' other switches are read by build.py, not config fields: a server started
+    with one must not refuse it as an unknown setting (bench.peers at a forced level did)."""
+    import ast
+    from pathlib import Path
+
+    from specserve.engine.model.cpu_kernels import build
+
+    source = ast.parse(Path(build.__file__).read_text())
+    switches = {node.value.value for node in ast.walk(source) if isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                and node.value.value.startswith("SPECSERVE_")}
+    assert {"SPECSERVE_CPU_LEVEL", "SPECSERVE_CPU_AMX", "SPECSERVE_CPU_KERNELS"} <= switches
+    build_config(None, {name: "1" for name in switches} | {"SPECSERVE_CPU_LEVEL": "x86-64-v3"})

@@ -2,6 +2,7 @@
 property the engine's exactness rests on: a row's result does not depend on the other rows of the call."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from specserve.engine.model.quantize import Int4Linear, int4_codes
 
 pytestmark = pytest.mark.skipif(build.load() is None, reason="no C compiler to build the CPU kernels")
 LEVELS = build.runnable_levels() if build.compiler() else []
+if os.environ.get("SPECSERVE_TEST_CPU_LEVELS"):  # a subset, e.g. the sanitized run's (test_cpu_kernel_sanitized.py)
+    LEVELS = [level for level in LEVELS if level in os.environ["SPECSERVE_TEST_CPU_LEVELS"].split(",")]
 
 
 @pytest.fixture(scope="module", params=LEVELS)

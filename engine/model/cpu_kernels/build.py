@@ -40,6 +40,10 @@ ENV_SWITCH = "SPECSERVE_CPU_KERNELS"
 ENV_LEVEL = "SPECSERVE_CPU_LEVEL"
 ENV_PREBUILT = "SPECSERVE_CPU_KERNELS_DIR"
 ENV_AMX = "SPECSERVE_CPU_AMX"  # 0: no AMX tiles (bf16 models' int4 products then run on AVX-512)
+# 1: libraries built with AddressSanitizer and UBSan (tests only: the process must preload libasan, see
+# tests/unit/test_cpu_kernel_sanitized.py); any out-of-bounds read or undefined operation aborts with a report
+ENV_SANITIZE = "SPECSERVE_CPU_SANITIZE"
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
 # x86-64 feature levels a prebuilt library may target, best first, with the CPU flags each needs
 V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 LEVELS = {"x86-64-v4-amx": V4 + ("avx512_bf16", "amx_tile", "amx_bf16"), "x86-64-v4-bf16": V4 + ("avx512_bf16",),
@@ -94,10 +98,18 @@ def _march(level: str) -> list[str]:
     return MARCH.get(level, [f"-march={level}"])
 
 
+def _sanitized() -> bool:
+    return os.environ.get(ENV_SANITIZE, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _flags() -> list[str]:
+    return FLAGS + (SANITIZE if _sanitized() else [])
+
+
 def _library_name(cc: str, level: str = "native") -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode(),
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(_flags()).encode(), _cpu_flags().encode(),
                  platform.machine().encode(), level.encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -126,7 +138,7 @@ def build(cc: str, target: Path, march: str = "native", source: Path | None = No
     half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-    flags = [g for f in FLAGS for g in ([f] if f != "-march=native" else _march(march))]
+    flags = [g for f in _flags() for g in ([f] if f != "-march=native" else _march(march))]
     try:
         done = subprocess.run([cc, *flags, str(source or SOURCE), "-o", str(partial), "-lm"], capture_output=True,
                               text=True, timeout=300)
