@@ -43,7 +43,7 @@ ENV_AMX = "SPECSERVE_CPU_AMX"  # 0: no AMX tiles (bf16 models' int4 products the
 # 1: libraries built with AddressSanitizer and UBSan (tests only: the process must preload libasan, see
 # tests/unit/test_cpu_kernel_sanitized.py); any out-of-bounds read or undefined operation aborts with a report
 ENV_SANITIZE = "SPECSERVE_CPU_SANITIZE"
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g"]
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g", "-O1"]
 # x86-64 feature levels a prebuilt library may target, best first, with the CPU flags each needs
 V4 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 LEVELS = {"x86-64-v4-amx": V4 + ("avx512_bf16", "amx_tile", "amx_bf16"), "x86-64-v4-bf16": V4 + ("avx512_bf16",),
