@@ -6,7 +6,8 @@ layer (the norm alone is eight). Two forwards replace it:
 - NativeLayer: the whole layer as one kernel call (kernels.c: specserve_llama_layer), fp32 inside, for forwards whose
   query groups are all short (decode, verification) and while nothing hooks o_proj / down_proj; and when no decoder
   layer is hooked either, NativeStack: every layer in one call (specserve_llama_stack);
-- otherwise (a prefill chunk in the forward, tensor parallelism's all-reduce hooks) an op-by-op lean forward: q/k/v
+- otherwise (a query group wider than NATIVE_QUERY, which the scheduler does not send where these layers run:
+  prefill_chunk_limit; tensor parallelism's all-reduce hooks) an op-by-op lean forward: q/k/v
   fused into one int4 product and gate/up into another (packed weights concatenated by output blocks; the separate
   modules keep views of them, no second copy), the RMS norm as one fused op, HF's own rotary function and the
   engine's paged attention.

@@ -1,14 +1,19 @@
 /* specserve's CPU kernels for the decode and verify shapes (a few token rows per forward), built by build.py at run
- * time with the machine's C compiler and called through ctypes (ops.py). Two operations, each computed the same way
- * for a row whatever else is in the batch (no reduction crosses rows), so greedy speculative output stays equal to
- * plain output:
+ * time with the machine's C compiler and called through ctypes (ops.py). Each operation computes a row the same way
+ * whatever else is in the batch (no reduction crosses rows), so greedy speculative output stays equal to plain
+ * output and a row's logits do not depend on its batch-mates. The products, attention and the layer built of them:
  *
  *   q4_linear  y = x W^T (+ bias) with W in 4-bit groups of 32 along the input: w = code * scale + minimum, the
  *              layout of a GGUF Q4_1 block (code i of a group in byte i's low nibble, code i + 16 in its high one),
  *              fp32 scales and minima, fp32 accumulation; a bf16 model's activations rounded to bf16 first, and
  *              from AMX_MIN_ROWS rows on AMX tiles where the CPU has them (below: their arithmetic, bit for bit).
+ *   q8_linear  the same for a GGUF Q8_0 output head (w = code * scale, codes -128..127).
  *   attention  softmax(q k^T * scale) v over the paged KV pool for a group of query rows, each reading the key slots
  *              its mask row allows (causal, windows, chunks and token trees are all just masks), fp32 throughout.
+ *   llama_layer / llama_stack  a whole Llama-structured decoder layer (or all of them) in one call.
+ *
+ * Vector code for AVX-512 (with AVX-512 BF16 and AMX where present) and for AVX2 + FMA (x86-64-v3); elsewhere the
+ * plain C loops, which every level computes as written (build.py: -ffp-contract=off).
  *
  * Activations and the KV pool are fp32 or bf16 (dtype code 0 / 1). Threads: OpenMP, which is torch's own runtime
  * (libgomp.so.1, already loaded by torch) so that both share one pool of threads.
