@@ -15,8 +15,8 @@ from specserve.config.schema import EngineConfig
 from specserve.engine.admission import RequestBuilder
 from specserve.engine.model.attention import PATTERN_ATTR
 from specserve.engine.model.compile import compile_model
-from specserve.engine.model.fast_layers import prefill_chunk_limit
 from specserve.engine.model.cpu_kernels import build as cpu_kernels
+from specserve.engine.model.fast_layers import prefill_chunk_limit
 from specserve.engine.model.loader import (
     check_model_path,
     default_kv_cache_memory,

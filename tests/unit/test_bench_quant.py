@@ -31,8 +31,12 @@ def test_kernel_bench_times_the_amx_tiles_apart_where_they_exist():
 
 def test_quantized_peers_serve_the_demo_target():
     args = argparse.Namespace(concurrency=[1, 4], max_tokens=8, requests_per_level=None, llama_server=None,
-                              llama_draft=None)
+                              llama_draft=None, dtype="auto")
     cmds = peer_commands(args, Path("/x/smollm2-135m-instruct-bfloat16"), 8000)
+    assert "--dtype" not in cmds["specserve-int4"]  # auto: the engine's own choice for this CPU
+    forced = peer_commands(argparse.Namespace(**{**vars(args), "dtype": "float32"}),
+                           Path("/x/smollm2-135m-instruct-float32"), 8000)
+    assert forced["specserve-int4-default"][-4:] == ["--dtype", "float32", "--quantization", "int4"]
     assert "--model" not in cmds["specserve-int4"] and cmds["specserve-int4"][-3:] == [
         "int4", "--speculative-method", "none"]
     assert cmds["specserve-int4-default"][-2:] == ["--quantization", "int4"]  # the device's demo default method
